@@ -1,0 +1,39 @@
+# servelab: every target creates .venv when missing and installs what it needs; a second run is quick.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+RUNTIME := $(VENV)/.runtime-installed
+DEV := $(VENV)/.dev-installed
+# Two cores: two pytest workers.
+WORKERS ?= 2
+
+.PHONY: demo test lab bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(RUNTIME): requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(DEV): $(RUNTIME) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+demo: $(RUNTIME)
+	$(PY) -m engine demo --no-pause
+
+test: $(DEV)
+	SERVELAB_FAST=1 $(PY) -m pytest -q -n $(WORKERS) --nbmake tests chapters
+
+lab: $(RUNTIME)
+	$(VENV)/bin/jupyter lab chapters/
+
+bench: $(DEV)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+lint: $(DEV)
+	$(VENV)/bin/ruff check engine kernels exercises tests benchmarks
+
+clean:
+	rm -rf $(VENV)

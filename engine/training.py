@@ -1,0 +1,215 @@
+"""How `tinylab`, the bundled model, is made: corpus -> tokenizer -> training -> a Hugging Face folder.
+
+    engine/tasks.py  ──► documents (prompt + target) ──► byte-level BPE (tokenizers library)
+                                                      └─► packed 512-token rows ──► AdamW on LlamaModel
+                                                                                    └─► engine/models/tinylab/
+
+Run it with `python -m engine train-tinylab` (about an hour on 2 CPU cores). Everything is seeded,
+so the same command makes the same model on the same software. The loss counts the *target* of each
+task fully and its prompt a little (`prompt_loss_weight`): the prompts of `recall` are random facts
+that no model can predict, and spending capacity on them would only slow learning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
+
+from engine import tasks
+from engine.config import ModelConfig
+from engine.loader import hf_weight_names
+from engine.model import LlamaModel
+
+BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
+TOKENIZER_TRAINING_DOCS = 20_000  # enough text for BPE merges to settle on a ~1k vocabulary
+
+
+@dataclass
+class TrainConfig:
+    # model shape (a Llama with GQA: 8 query heads share 2 KV heads)
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    intermediate_size: int = 704
+    context_tokens: int = 512
+    rope_theta: float = 10000.0
+    # optimisation
+    batch_rows: int = 16  # rows of `context_tokens` per step
+    total_tokens: int = 6_000_000
+    lr: float = 3e-3
+    min_lr_fraction: float = 0.1  # cosine decays to this fraction of lr
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    prompt_loss_weight: float = 0.1
+    bf16_autocast: bool = True
+    seed: int = 0
+    checkpoint_every_steps: int = 100  # save the folder now and then, so a stopped run still leaves a model
+    mix: dict = field(default_factory=lambda: dict(tasks.DEFAULT_MIX))
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.total_tokens // (self.batch_rows * self.context_tokens))
+
+    def model_config(self, tok: Tokenizer) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=tok.get_vocab_size(), hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.context_tokens, rope_theta=self.rope_theta,
+            tie_word_embeddings=True, bos_token_id=tok.token_to_id(BOS),
+            eos_token_id=tok.token_to_id(EOS), pad_token_id=tok.token_to_id(PAD))
+
+
+def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE: any UTF-8 text (Chinese included) encodes, since all 256 bytes are in the alphabet.
+    Digits are split one per token so that the model sees numbers digit by digit (it helps `arith`)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(docs, trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
+    return tok
+
+
+def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float) -> tuple[list[int], list[float]]:
+    """[BOS] prompt target [EOS], each token with its loss weight. Prompt and target are encoded
+    separately, exactly as at inference time (the prompt is encoded, then the model writes)."""
+    prompt = tok.encode(ex.prompt).ids  # starts with BOS
+    target = tok.encode(ex.target, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
+    w_prompt = 1.0 if ex.task == "story" else prompt_weight
+    return prompt + target, [w_prompt] * len(prompt) + [1.0] * len(target)
+
+
+def packed_rows(tok: Tokenizer, cfg: TrainConfig, seed: int):
+    """Yield (ids [T], weights [T]) rows of exactly `context_tokens`, whole documents only, padded."""
+    T, pad = cfg.context_tokens, tok.token_to_id(PAD)
+    ids: list[int] = []
+    weights: list[float] = []
+    for ex in tasks.training_examples(seed=seed, mix=cfg.mix):
+        doc_ids, doc_w = encode_example(tok, ex, cfg.prompt_loss_weight)
+        if len(doc_ids) > T:
+            continue
+        if len(ids) + len(doc_ids) > T:
+            yield ids + [pad] * (T - len(ids)), weights + [0.0] * (T - len(ids))
+            ids, weights = [], []
+        ids, weights = ids + doc_ids, weights + doc_w
+
+
+def batches(tok: Tokenizer, cfg: TrainConfig, seed: int):
+    """Yield (input_ids [B, T], weights [B, T]) tensors forever."""
+    rows = packed_rows(tok, cfg, seed)
+    while True:
+        chunk = [next(rows) for _ in range(cfg.batch_rows)]
+        yield (torch.tensor([c[0] for c in chunk]), torch.tensor([c[1] for c in chunk]))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * cosine)
+
+
+def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy; position t predicts token t+1 and counts with token t+1's weight."""
+    logits = model(ids[:, :-1])  # [B, T-1, V]
+    nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    w = weights[:, 1:].flatten()
+    return (nll * w).sum() / w.sum().clamp(min=1.0)
+
+
+def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
+    """Train tinylab from scratch and save it to `out_dir`; returns the training log."""
+    torch.manual_seed(cfg.seed)
+    docs = [ex.text for ex, _ in zip(tasks.training_examples(seed=cfg.seed + 1, mix=cfg.mix),
+                                     range(TOKENIZER_TRAINING_DOCS), strict=False)]
+    tok = train_tokenizer(docs, cfg.vocab_size)
+    model = LlamaModel(cfg.model_config(tok))
+    init_weights(model)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": []}
+    start = time.perf_counter()
+    bar = tqdm(zip(range(cfg.steps), batches(tok, cfg, cfg.seed)), total=cfg.steps, disable=not progress,
+               desc="training tinylab")
+    for step, (ids, weights) in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            loss = weighted_loss(model, ids, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        elapsed = time.perf_counter() - start
+        log["steps"].append(step)
+        log["loss"].append(round(loss.item(), 4))
+        log["tokens_per_s"].append(round((step + 1) * ids.numel() / elapsed))
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=log["tokens_per_s"][-1])
+        if (step + 1) % cfg.checkpoint_every_steps == 0:
+            save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1)))
+    log["train_seconds"] = round(time.perf_counter() - start, 1)
+    save_hf_folder(model, tok, out_dir, log)
+    return log
+
+
+def init_weights(model: LlamaModel, std: float = 0.02) -> None:
+    """GPT-2 style: normal(0, 0.02), residual output projections scaled down by sqrt(2 L)."""
+    L = model.config.num_hidden_layers
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            scale = 1 / math.sqrt(2 * L) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            torch.nn.init.normal_(p, std=std * scale)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32",
+    }
+
+
+def save_hf_folder(model: LlamaModel, tok: Tokenizer, out_dir: Path, log: dict) -> None:
+    """Write config.json, model.safetensors, tokenizer files, generation_config.json, training_log.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    params = dict(model.named_parameters())
+    tensors = {theirs: params[ours].detach().float().contiguous() for ours, theirs in hf_weight_names(cfg).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "model_max_length": cfg.max_position_embeddings,
+         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+         "do_sample": False}, indent=2) + "\n")
+    (out_dir / "training_log.json").write_text(json.dumps(log) + "\n")
