@@ -1,0 +1,291 @@
+"""Sampling: from one row of logits to the next token.
+
+The model scores every vocabulary entry (a logit each); sampling turns those V numbers into one
+token id. We do it in a fixed order, the one vLLM uses, and every stage is a small pure function
+that chapter 01 calls on its own to plot the distribution after each step:
+
+    logits [V]
+      |  penalties      repetition (prompt + output), presence/frequency (output only), min_tokens
+      +-----------> greedy? (temperature 0) --> argmax: no randomness at all
+      |  temperature    logits / t             t < 1 sharpens, t > 1 flattens
+      |  top-k          keep the k largest logits
+      |  top-p          keep the smallest head of the sorted distribution whose mass reaches p
+      |  min-p          drop tokens less likely than min_p * (the top token's probability)
+      v
+    softmax --> one draw with the request's own torch.Generator --> token id
+
+A dropped token gets the logit -inf, so softmax gives it probability exactly 0 and the survivors
+are renormalized for free. Each request (one row of the batch) brings its own SamplingParams, its
+own generator (seeded from params.seed, so its tokens never depend on who shares the batch) and
+its own token history (for the penalties). We loop over rows because it reads well; vLLM does the
+same arithmetic with batched tensor ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+GREEDY_EPSILON = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy (t -> 0)
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's documented range for presence and frequency penalties
+TOP_K_OFF = (0, -1)  # vLLM accepts both spellings of "no top-k"
+STAGES = ("temperature", "top_k", "top_p", "min_p")  # the filter stages, in the order we apply them
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is not allowed: {name} must be {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    """How one request wants its tokens chosen (vLLM's names and defaults)."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None  # normalized to a list in __post_init__
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top logprobs to return with each token
+
+    def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        lo, hi = PENALTY_RANGE
+        _require(self.n >= 1, "n", self.n, ">= 1")
+        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _require(self.top_k >= -1, "top_k", self.top_k, ">= 1, or 0 / -1 to switch top-k off")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+                 "> 0 (1 means no penalty)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(lo <= value <= hi, name, value, f"in [{lo}, {hi}]")
+        _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                 f"in [0, max_tokens={self.max_tokens}]")
+        _require(all(self.stop), "stop", self.stop, "a list of non-empty strings")
+        _require(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "None or >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+
+# ---- the stages, as pure functions on logits [..., V] (one row or a batch) -------------------------
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Divide the logits by t. Greedy (t = 0) is the sampler's job, so here t must be > 0."""
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0 here; temperature 0 means greedy (argmax)")
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the logits >= the k-th largest of their row (ties at the boundary all survive)."""
+    if k in TOP_K_OFF or k >= logits.shape[-1]:
+        return logits.clone()
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose total probability reaches p.
+
+    Sorted probabilities 0.4 0.3 0.2 0.1 with p = 0.75:
+        mass before each token:  0.0  0.4  0.7  0.9
+        kept (mass before < p):  yes  yes  yes  no    <- 0.2 crosses 0.75, so it is KEPT
+    Tokens tied with the boundary token are kept too, so the result never depends on sort order.
+    """
+    if p >= 1.0:  # skip the arithmetic: rounding could otherwise drop tokens of tiny probability
+        return logits.clone()
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
+    probs = torch.softmax(sorted_logits, dim=-1, dtype=torch.float32)
+    mass_before = F.pad(torch.cumsum(probs, dim=-1)[..., :-1], (1, 0))  # [..., V], starts at 0
+    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)  # [..., 1], at least 1
+    boundary = sorted_logits.gather(-1, n_keep - 1)  # [..., 1] logit of the token that crosses p
+    return logits.masked_fill(logits < boundary, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p times the most likely token's."""
+    if min_p <= 0:
+        return logits.clone()
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # [..., 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _as_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0) -> torch.Tensor:
+    """Discourage repeats, on one row [V]; returns a new tensor.
+
+    repetition (HF/vLLM): for every token seen in prompt or output, a positive logit is divided
+        by the penalty and a negative one multiplied, so both move towards "less likely";
+    presence / frequency (OpenAI/vLLM): output tokens only,
+        logit -= presence * (count > 0) + frequency * count.
+    """
+    logits = logits.clone()
+    V, device = logits.shape[-1], logits.device
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(V, dtype=torch.bool, device=device)
+        seen[_as_ids([*prompt_ids, *output_ids], device)] = True
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if presence_penalty or frequency_penalty:
+        counts = torch.bincount(_as_ids(output_ids, device), minlength=V).to(logits.dtype)  # [V]
+        logits -= frequency_penalty * counts + presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter_stages(logits: torch.Tensor, params: SamplingParams) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (stage name, logits after that stage) for temperature -> top-k -> top-p -> min-p."""
+    logits = apply_temperature(logits, params.temperature)
+    yield "temperature", logits
+    logits = top_k_filter(logits, params.top_k)
+    yield "top_k", logits
+    logits = top_p_filter(logits, params.top_p)
+    yield "top_p", logits
+    yield "min_p", min_p_filter(logits, params.min_p)
+
+
+def probs_after_each_stage(logits: torch.Tensor, params: SamplingParams) -> dict[str, torch.Tensor]:
+    """The distribution [V] before filtering ("raw") and after each stage, for the visualizer.
+
+    With greedy params every stage shows the one-hot argmax: that is what greedy samples from.
+    """
+    stages = {"raw": torch.softmax(logits, dim=-1, dtype=torch.float32)}
+    if params.greedy:
+        one_hot = F.one_hot(torch.argmax(logits), logits.shape[-1]).to(torch.float32)
+        return stages | {name: one_hot for name in STAGES}
+    for name, staged in _filter_stages(logits, params):
+        stages[name] = torch.softmax(staged, dim=-1, dtype=torch.float32)
+    return stages
+
+
+# ---- the sampler: one batch, one SamplingState per row ---------------------------------------------
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A request's own random stream: seeded when the request gives a seed, fresh entropy otherwise."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one request. The caller appends each sampled token."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # None: made from params.seed
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.generator is None:
+            self.generator = make_generator(self.params.seed)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # of the chosen token
+    top: dict[int, float]  # the params.logprobs most likely token ids -> logprob, most likely first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] long
+    logprobs: list[TokenLogprobs | None]  # None for rows that did not ask (params.logprobs is None)
+
+
+def _mask_stop_tokens(logits: torch.Tensor, params: SamplingParams, n_output: int,
+                      eos_token_id: int | None) -> torch.Tensor:
+    """min_tokens: while too few tokens exist, EOS and the stop token ids cannot be chosen."""
+    if n_output >= params.min_tokens:
+        return logits
+    banned = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        banned.append(eos_token_id)
+    logits = logits.clone()
+    logits[banned] = float("-inf")
+    return logits
+
+
+def _top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
+    if k is None:
+        return None
+    logprobs = torch.log_softmax(logits, dim=-1)  # [V]
+    top = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    ranked = {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)}
+    return TokenLogprobs(token, float(logprobs[token]), ranked)
+
+
+def _sample_row(logits: torch.Tensor, state: SamplingState,
+                eos_token_id: int | None) -> tuple[int, TokenLogprobs | None]:
+    params = state.params
+    logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids, params.repetition_penalty,
+                             params.presence_penalty, params.frequency_penalty)
+    logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_id)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        filtered = dict(_filter_stages(logits, params))["min_p"]  # the last stage
+        probs = torch.softmax(filtered, dim=-1).to(state.generator.device)
+        token = int(torch.multinomial(probs, 1, generator=state.generator))
+    # Like vLLM, logprobs describe the model after penalties but before temperature and filters.
+    return token, _top_logprobs(logits, token, params.logprobs)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
+           eos_token_id: int | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [B, V]; row i follows rows[i]. The states are not changed."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [B, V] with B = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
+    picked = [_sample_row(row, state, eos_token_id) for row, state in zip(logits, rows, strict=True)]
+    token_ids = torch.tensor([token for token, _ in picked], dtype=torch.long, device=logits.device)
+    return SamplerOutput(token_ids, [logprobs for _, logprobs in picked])
+
+
+def check_stop(output_ids: Sequence[int], text: str, params: SamplingParams,
+               eos_token_id: int | None) -> tuple[bool, str | None, str]:
+    """Has this request finished? Returns (finished, reason "stop"/"length"/None, text to show).
+
+    The order is vLLM's: nothing stops before min_tokens; then EOS (unless ignore_eos) and
+    stop_token_ids; then stop strings, cut from the text at the earliest match; then max_tokens.
+    """
+    if len(output_ids) < params.min_tokens:
+        return False, None, text
+    last = output_ids[-1] if output_ids else None
+    hit_eos = last is not None and last == eos_token_id and not params.ignore_eos
+    if hit_eos or (last is not None and last in params.stop_token_ids):
+        return True, "stop", text
+    cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+    if cut >= 0:
+        return True, "stop", text[:cut]
+    if len(output_ids) >= params.max_tokens:
+        return True, "length", text
+    return False, None, text
