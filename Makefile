@@ -30,7 +30,7 @@ lab: $(RUNTIME)
 	$(VENV)/bin/jupyter lab chapters/
 
 bench: $(DEV)
-	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/[!_]*.py; do $(PY) $$b || exit 1; done
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check engine kernels exercises tests benchmarks

@@ -1,0 +1,297 @@
+"""Paged KV blocks: the allocator, per-sequence block tables, copy-on-write and waste accounting.
+
+A contiguous KV cache reserves ``max_context`` slots for every sequence up front, and most of
+them are never used. We do what an operating system does with memory pages instead: cut the KV
+pool into fixed-size *blocks* of ``block_size`` (BS) token slots each, hand a sequence one more
+block only when its tokens spill over, and keep for every sequence a *block table* that maps its
+logical blocks (0, 1, 2, ... in token order) to physical blocks (anywhere in the pool).
+
+With BS = 4, a sequence of 10 tokens and the table ``[7, 2, 5]``::
+
+    token positions   0  1  2  3 | 4  5  6  7 | 8  9  .  .
+    logical block         0      |     1      |     2
+                          |            |            |
+    block table  [  7,        2,           5  ]
+                    v         v            v
+    physical pool  ... | blk 2 | ... | blk 5 | ... | blk 7 | ...
+    slots              | 8..11 |     | 20..23|     | 28..31|
+
+    slot(position) = block_table[position // BS] * BS + position % BS
+    position 9  ->  logical block 2, offset 1  ->  physical block 5  ->  slot 5 * 4 + 1 = 21
+
+Only the last block can be partly filled (here 2 of its 4 slots are empty): that is all the
+waste paging leaves, at most BS - 1 slots per sequence.
+
+Sharing: ``fork`` gives a child sequence the parent's table and bumps every block's reference
+count, so a prompt shared by n samples is stored once. The first write into a shared, partly
+filled last block triggers *copy-on-write*: the writer gets a fresh block, and we report the
+``(src_block, dst_block)`` pair that the caller must copy in the KV pools before writing.
+
+This module is pure bookkeeping: it never touches a tensor. The attention kernels that read
+through the tables live in ``kernels/paged_attention``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has fewer free blocks than a request needs; nothing was allocated.
+
+    A scheduler catches this and waits, preempts, or rejects; the manager's state is unchanged.
+    """
+
+    def __init__(self, needed: int, free: int):
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"need {needed} free KV block(s) but only {free} are free; "
+            "free a sequence, preempt one, or give the cache more blocks"
+        )
+
+
+class BlockAllocator:
+    """A free list of physical block ids with a reference count per block.
+
+    A block is *free* (refcount 0, on the free list) or *used* (refcount >= 1: the number of
+    block tables that hold it). We hand out the lowest ids first, which makes pictures readable.
+    """
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refcount = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        self._check_id(block)
+        return self._refcount[block]
+
+    def allocate(self) -> int:
+        """Take one free block; its reference count becomes 1."""
+        if not self._free:
+            raise NoFreeBlocksError(needed=1, free=0)
+        block = self._free.popleft()
+        self._refcount[block] = 1
+        return block
+
+    def allocate_many(self, n: int) -> list[int]:
+        """Take ``n`` blocks, or none at all (raises ``NoFreeBlocksError`` before taking any)."""
+        if n > len(self._free):
+            raise NoFreeBlocksError(needed=n, free=len(self._free))
+        return [self.allocate() for _ in range(n)]
+
+    def incref(self, block: int) -> None:
+        """One more table holds ``block`` (sharing)."""
+        self._check_used(block, action="incref")
+        self._refcount[block] += 1
+
+    def free(self, block: int) -> bool:
+        """One table lets go of ``block``. Returns True when it went back to the free list."""
+        self._check_used(block, action="free")
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            self._free.append(block)
+            return True
+        return False
+
+    def _check_id(self, block: int) -> None:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block id {block!r} is unknown: valid ids are 0..{self.num_blocks - 1}")
+
+    def _check_used(self, block: int, action: str) -> None:
+        self._check_id(block)
+        if self._refcount[block] == 0:
+            raise ValueError(
+                f"cannot {action} block {block}: it is already free (double free, or never allocated)"
+            )
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What ``BlockManager.append_slots`` did.
+
+    slots:  the slot id of each new token, in order; write its K/V there.
+    copies: ``(src_block, dst_block)`` pairs to copy in every layer's K and V pools *before*
+            writing (copy-on-write of a shared last block). Empty almost always.
+    """
+
+    slots: list[int]
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """A snapshot of the pool, in blocks and in token slots (shared blocks counted once).
+
+    wasted_slots = reserved_slots - used_slots: slots inside allocated blocks that hold no
+    token, i.e. the empty tail of each partly filled last block.
+    """
+
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    reserved_slots: int
+    used_slots: int
+    wasted_slots: int
+
+    @property
+    def waste_fraction(self) -> float:
+        return self.wasted_slots / self.reserved_slots if self.reserved_slots else 0.0
+
+
+@dataclass
+class _Sequence:
+    block_table: list[int]
+    num_tokens: int
+
+
+class BlockManager:
+    """Block tables of all live sequences over one ``BlockAllocator``.
+
+    Every method that can run out of blocks is all-or-nothing: it checks first, and on
+    ``NoFreeBlocksError`` the tables, token counts and free list are exactly as before.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self._seqs: dict[int, _Sequence] = {}
+
+    # ---- questions -------------------------------------------------------------------------
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= self.allocator.num_free
+
+    def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self._blocks_needed_to_append(self._get(seq_id), num_new_tokens) <= self.allocator.num_free
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._get(seq_id).block_table)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._get(seq_id).num_tokens
+
+    def slot_mapping(self, seq_id: int, positions) -> list[int]:
+        """Slot id of each token position: ``table[pos // BS] * BS + pos % BS``."""
+        seq = self._get(seq_id)
+        slots = []
+        for pos in positions:
+            if not 0 <= pos < seq.num_tokens:
+                raise ValueError(
+                    f"position {pos} of sequence {seq_id} is outside 0..{seq.num_tokens - 1}; "
+                    "append_slots first"
+                )
+            block = seq.block_table[pos // self.block_size]
+            slots.append(block * self.block_size + pos % self.block_size)
+        return slots
+
+    # ---- changes ---------------------------------------------------------------------------
+    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Register a new sequence holding ``num_tokens`` tokens; returns its block table."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks; free it or use append_slots")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        blocks = self.allocator.allocate_many(self.blocks_for(num_tokens))
+        self._seqs[seq_id] = _Sequence(block_table=blocks, num_tokens=num_tokens)
+        return list(blocks)
+
+    def append_slots(self, seq_id: int, num_new_tokens: int) -> AppendResult:
+        """Make room for ``num_new_tokens`` more tokens; returns their slots and any COW copy.
+
+        New blocks are taken only when the tokens spill past the last block. If the last block
+        is partly filled *and* shared (refcount > 1), we first swap in a private copy.
+        """
+        seq = self._get(seq_id)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        needed = self._blocks_needed_to_append(seq, num_new_tokens)
+        if needed > self.allocator.num_free:
+            raise NoFreeBlocksError(needed=needed, free=self.allocator.num_free)
+        copies = []
+        if num_new_tokens and self._last_block_is_shared_and_partial(seq):
+            src = seq.block_table[-1]
+            dst = self.allocator.allocate()
+            self.allocator.free(src)  # the other holders keep it; we drop our reference
+            seq.block_table[-1] = dst
+            copies.append((src, dst))
+        grow = self.blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
+        seq.block_table.extend(self.allocator.allocate_many(grow))
+        start = seq.num_tokens
+        seq.num_tokens += num_new_tokens
+        return AppendResult(slots=self.slot_mapping(seq_id, range(start, seq.num_tokens)), copies=copies)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (no copy, no new block)."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
+        for block in parent.block_table:
+            self.allocator.incref(block)
+        self._seqs[child_id] = _Sequence(block_table=list(parent.block_table), num_tokens=parent.num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence; blocks nobody else holds go back to the free list."""
+        seq = self._get(seq_id)
+        for block in seq.block_table:
+            self.allocator.free(block)
+        del self._seqs[seq_id]
+
+    def usage(self) -> BlockUsage:
+        """Blocks and slots in use; a shared block's filled slots are counted once."""
+        filled: dict[int, int] = {}  # physical block -> tokens it holds
+        for seq in self._seqs.values():
+            for i, block in enumerate(seq.block_table):
+                in_block = min(self.block_size, seq.num_tokens - i * self.block_size)
+                filled[block] = max(filled.get(block, 0), in_block)
+        used_blocks = self.allocator.num_used
+        reserved = used_blocks * self.block_size
+        used = sum(filled.values())
+        return BlockUsage(
+            total_blocks=self.allocator.num_blocks,
+            used_blocks=used_blocks,
+            free_blocks=self.allocator.num_free,
+            reserved_slots=reserved,
+            used_slots=used,
+            wasted_slots=reserved - used,
+        )
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _get(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence id {seq_id!r}; live ids: {sorted(self._seqs)}") from None
+
+    def _last_block_is_shared_and_partial(self, seq: _Sequence) -> bool:
+        partial = seq.num_tokens % self.block_size != 0
+        return partial and self.allocator.refcount(seq.block_table[-1]) > 1
+
+    def _blocks_needed_to_append(self, seq: _Sequence, num_new_tokens: int) -> int:
+        if num_new_tokens <= 0:
+            return 0
+        cow = 1 if self._last_block_is_shared_and_partial(seq) else 0
+        return cow + self.blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)

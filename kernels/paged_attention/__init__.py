@@ -1,0 +1,101 @@
+"""Paged attention: the same op in PyTorch (the oracle), Triton and CUDA, chosen by name.
+
+    from kernels.paged_attention import paged_decode_attention, write_kv
+    write_kv(k, v, k_pool, v_pool, slot_mapping, backend="triton")
+    out = paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, backend="cuda")
+
+Layouts (see ``reference.py``): q/out [B, H, D]; k_pool, v_pool [NB, BS, Hkv, D];
+block_tables [B, max_blocks] int32; seq_lens [B] int32; slot_mapping [N] int64.
+
+A backend that cannot run here (no GPU for "cuda"; Triton missing, or CPU tensors without
+``TRITON_INTERPRET=1``) falls back to "torch" with a RuntimeWarning that says why. Triton and
+the CUDA extension are imported only when asked for, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .reference import (
+    check_paged_inputs,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    write_kv_ref,
+)
+
+BACKENDS = ("torch", "triton", "cuda")
+
+__all__ = [
+    "BACKENDS",
+    "check_paged_inputs",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention_ref",
+    "resolve_backend",
+    "write_kv",
+    "write_kv_ref",
+]
+
+
+def _why_triton_cannot_run(device) -> str | None:
+    try:
+        from . import triton as triton_backend
+    except (ImportError, RuntimeError) as err:  # triton not installed, or broken
+        return f"Triton could not be imported ({err})"
+    if device.type == "cpu" and not triton_backend.runs_on_cpu():
+        return "tensors are on the CPU and Triton was imported without TRITON_INTERPRET=1"
+    return None
+
+
+def _why_cuda_cannot_run(device) -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    if device.type != "cuda":
+        return f"tensors are on {device}, not on a CUDA device"
+    return None
+
+
+def resolve_backend(backend: str, device) -> str:
+    """The backend that will really run for tensors on ``device`` (warns when it is not ``backend``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    why = None
+    if backend == "triton":
+        why = _why_triton_cannot_run(device)
+    elif backend == "cuda":
+        why = _why_cuda_cannot_run(device)
+    if why is None:
+        return backend
+    warnings.warn(f"paged attention backend {backend!r} cannot run here: {why}; using 'torch' instead",
+                  RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: float, backend: str = "torch"):
+    """Decode attention over a paged KV cache: q [B, H, D] -> [B, H, D]."""
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "triton":
+        from .triton import paged_decode_attention_triton as run
+    elif chosen == "cuda":
+        from .cuda import paged_decode_attention_cuda as run
+    else:
+        run = paged_decode_attention_ref
+    return run(q, k_pool, v_pool, block_tables, seq_lens, scale)
+
+
+def write_kv(k, v, k_pool, v_pool, slot_mapping, backend: str = "torch") -> None:
+    """Write new tokens' K/V [N, Hkv, D] into their slots, in place.
+
+    There is no CUDA write kernel: on a GPU, PyTorch's indexed assignment is already a single
+    scatter kernel, so "cuda" uses the torch path (silently: nothing is missing).
+    """
+    if backend == "cuda":
+        backend = "torch"
+    if resolve_backend(backend, k.device) == "triton":
+        from .triton import write_kv_triton
+
+        write_kv_triton(k, v, k_pool, v_pool, slot_mapping)
+    else:
+        write_kv_ref(k, v, k_pool, v_pool, slot_mapping)

@@ -1,0 +1,109 @@
+"""Build, run and inspect the CUDA paged decode kernel (``paged_attention.cu``).
+
+Two ways in:
+- ``paged_decode_attention_cuda(...)`` compiles the .cu file into a PyTorch extension the first
+  time (``torch.utils.cpp_extension.load``: needs a GPU build of torch, nvcc and ninja; about a
+  minute) and runs it. Same contract as ``paged_decode_attention_ref``.
+- ``nvcc_resource_report()`` needs only ``nvcc``, no GPU and no torch headers: it compiles the
+  file to a cubin and returns what ptxas says about each kernel (registers per thread, spills,
+  barriers). Registers decide how many thread blocks fit on one SM, so this is the first number
+  to look at when a kernel is slower than its bandwidth says it should be.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .reference import check_paged_inputs
+
+CU_FILE = Path(__file__).with_name("paged_attention.cu")
+EXTENSION_NAME = "servelab_paged_attention"
+MAX_HEAD_DIM = 512  # NUM_THREADS (128) x MAX_DIMS_PER_THREAD (4) in the .cu file
+SMEM_FLOATS_PER_BLOCK = "D + 2 * BS"  # the kernel's dynamic shared memory: q, scores, probabilities
+MAX_SMEM_BYTES = 48 * 1024  # dynamic shared memory a launch gets without opting in to more
+NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a couple of seconds
+
+
+@functools.cache  # compile once per process; torch also caches the build on disk
+def load_cuda_extension():
+    """Compile (or load from torch's build cache) the extension; needs CUDA, nvcc and ninja."""
+    from torch.utils import cpp_extension
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the CUDA paged-attention kernel needs a CUDA GPU and a CUDA build of torch")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(CU_FILE)],
+        extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"],
+        verbose=False,
+    )
+
+
+def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float):
+    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    if q.device.type != "cuda":
+        raise ValueError(f"q: the CUDA kernel needs tensors on a CUDA device, got {q.device}")
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D = {q.shape[2]} is above the kernel's maximum {MAX_HEAD_DIM}")
+    smem_bytes = (q.shape[2] + 2 * k_pool.shape[1]) * 4
+    if smem_bytes > MAX_SMEM_BYTES:
+        max_bs = (MAX_SMEM_BYTES // 4 - q.shape[2]) // 2
+        raise ValueError(f"k_pool: block size BS = {k_pool.shape[1]} needs {smem_bytes} bytes of shared "
+                         f"memory, above {MAX_SMEM_BYTES}; use BS <= {max_bs}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), got {pool.stride()}")
+    ext = load_cuda_extension()
+    return ext.paged_decode(q.contiguous(), k_pool, v_pool, block_tables.contiguous(), seq_lens.contiguous(),
+                            float(scale))
+
+
+def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:
+    """Compile ``cu_file`` for ``arch`` with ``nvcc -cubin -Xptxas -v``; return ptxas's lines.
+
+    One block of lines per kernel instantiation, names demangled where ``c++filt`` exists, e.g.
+    ``Used 56 registers, used 1 barriers``. Raises RuntimeError when nvcc is missing or fails.
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
+               "-o", str(Path(tmp) / "paged_attention.cubin"), str(cu_file)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
+             if "ptxas info" in ln or "stack frame" in ln]
+    lines.append(f"dynamic shared memory per thread block: ({SMEM_FLOATS_PER_BLOCK}) * 4 bytes "
+                 "(e.g. D = 128, BS = 16: 640 bytes)")
+    return _demangle("\n".join(lines))
+
+
+def _demangle(text: str) -> str:
+    cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
+    if cxxfilt is None:
+        return text
+    proc = subprocess.run([cxxfilt], input=text, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else text
+
+
+def registers_per_kernel(report: str) -> dict[str, int]:
+    """{kernel name: registers per thread} from an ``nvcc_resource_report`` text."""
+    registers, kernel = {}, None
+    for line in report.splitlines():
+        if "Compiling entry function" in line:
+            kernel = line.split("'")[1]
+        elif "registers" in line and kernel is not None:
+            registers[kernel] = int(line.split("Used")[1].split()[0])
+            kernel = None
+    return registers

@@ -1,0 +1,314 @@
+"""Chapter 04: the block manager's bookkeeping, by property tests and by hand-worked cases.
+
+The stateful test drives a ``BlockManager`` with random interleavings of allocate / append /
+fork / write / free against a fake KV pool (a dict slot -> token value). After every step it
+checks the invariants, and that every sequence still reads back exactly the tokens it wrote:
+the last check fails if copy-on-write were missing or a slot were handed out twice.
+"""
+
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.block_manager import AppendResult, BlockAllocator, BlockManager, NoFreeBlocksError
+
+# Small pools so that running out of blocks (the all-or-nothing path) happens often.
+MAX_BLOCKS = 12
+MAX_TOKENS_PER_CALL = 9
+
+
+def snapshot(bm: BlockManager):
+    tables = {s: (bm.block_table(s), bm.num_tokens(s)) for s in bm.seq_ids()}
+    refcounts = [bm.allocator.refcount(b) for b in range(bm.allocator.num_blocks)]
+    return tables, refcounts, bm.allocator.num_free, bm.usage()
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(1, MAX_BLOCKS), block_size=st.sampled_from([1, 2, 3, 4]))
+    def setup(self, num_blocks, block_size):
+        self.bm = BlockManager(num_blocks, block_size)
+        self.pool: dict[int, int] = {}  # slot -> token value: a stand-in for the KV pools
+        self.content: dict[int, list[int]] = {}  # seq -> the values it wrote, in order
+        self.next_seq = 0
+        self.next_value = 0
+
+    def _write(self, seq_id, result):
+        for src, dst in result.copies:  # the caller's duty: copy the block before writing
+            bs = self.bm.block_size
+            for off in range(bs):
+                if src * bs + off in self.pool:
+                    self.pool[dst * bs + off] = self.pool[src * bs + off]
+        for slot in result.slots:
+            self.pool[slot] = self.next_value
+            self.content[seq_id].append(self.next_value)
+            self.next_value += 1
+
+    def _live(self, data):
+        return data.draw(st.sampled_from(sorted(self.content)))
+
+    @rule(n=st.integers(0, 2 * MAX_TOKENS_PER_CALL))
+    def allocate(self, n):
+        before = snapshot(self.bm)
+        seq_id, self.next_seq = self.next_seq, self.next_seq + 1
+        self.bm.allocate(seq_id, 0)  # register (0 tokens need no block), then append the prompt
+        self.content[seq_id] = []
+        try:
+            self._write(seq_id, self.bm.append_slots(seq_id, n))
+        except NoFreeBlocksError:
+            self.bm.free(seq_id)
+            del self.content[seq_id]
+            assert snapshot(self.bm) == before
+
+    @rule(n=st.integers(0, 2 * MAX_TOKENS_PER_CALL))
+    def allocate_in_one_call(self, n):
+        before = snapshot(self.bm)
+        can = self.bm.can_allocate(n)
+        seq_id, self.next_seq = self.next_seq, self.next_seq + 1
+        try:
+            self.bm.allocate(seq_id, n)
+        except NoFreeBlocksError as err:
+            assert not can and err.needed > err.free
+            assert snapshot(self.bm) == before
+            return
+        assert can
+        self.content[seq_id] = []
+        self._write(seq_id, AppendResult(slots=self.bm.slot_mapping(seq_id, range(n))))
+
+    @precondition(lambda self: self.content)
+    @rule(data=st.data(), n=st.integers(0, MAX_TOKENS_PER_CALL))
+    def append(self, data, n):
+        seq_id = self._live(data)
+        before = snapshot(self.bm)
+        can = self.bm.can_append_slots(seq_id, n)
+        try:
+            result = self.bm.append_slots(seq_id, n)
+        except NoFreeBlocksError:
+            assert not can
+            assert snapshot(self.bm) == before
+            return
+        assert can
+        self._write(seq_id, result)
+
+    @precondition(lambda self: self.content)
+    @rule(data=st.data())
+    def write_one_token(self, data):  # a decode step
+        self.append(data, 1)
+
+    @precondition(lambda self: self.content)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self._live(data)
+        child, self.next_seq = self.next_seq, self.next_seq + 1
+        self.bm.fork(parent, child)
+        self.content[child] = list(self.content[parent])
+
+    @precondition(lambda self: self.content)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = self._live(data)
+        self.bm.free(seq_id)
+        del self.content[seq_id]
+        with pytest.raises(ValueError, match="unknown sequence"):
+            self.bm.free(seq_id)
+
+    @invariant()
+    def free_plus_used_is_total(self):
+        alloc = self.bm.allocator
+        assert alloc.num_free + alloc.num_used == alloc.num_blocks
+
+    @invariant()
+    def refcount_equals_number_of_tables_holding_the_block(self):
+        holders = Counter(b for s in self.bm.seq_ids() for b in self.bm.block_table(s))
+        for block in range(self.bm.allocator.num_blocks):
+            assert self.bm.allocator.refcount(block) == holders.get(block, 0)
+        assert self.bm.allocator.num_used == len(holders)  # no leak: every used block has an owner
+
+    @invariant()
+    def tables_are_exactly_as_long_as_needed(self):
+        for s in self.bm.seq_ids():
+            table = self.bm.block_table(s)
+            assert len(set(table)) == len(table)
+            assert len(table) == -(-self.bm.num_tokens(s) // self.bm.block_size)
+
+    @invariant()
+    def every_sequence_reads_back_what_it_wrote(self):
+        for s, values in self.content.items():
+            slots = self.bm.slot_mapping(s, range(self.bm.num_tokens(s)))
+            assert len(set(slots)) == len(slots)
+            assert [self.pool[x] for x in slots] == values
+
+    @invariant()
+    def slots_are_shared_only_inside_forked_unwritten_blocks(self):
+        bs = self.bm.block_size
+        owner: dict[int, tuple[int, int]] = {}  # slot -> (seq, tokens of that seq in the block)
+        for s in self.bm.seq_ids():
+            n = self.bm.num_tokens(s)
+            for pos, slot in enumerate(self.bm.slot_mapping(s, range(n))):
+                fill = min(bs, n - pos // bs * bs)
+                if slot in owner:
+                    other, other_fill = owner[slot]
+                    assert self.bm.allocator.refcount(slot // bs) >= 2
+                    assert fill == other_fill, "a shared block was written by one of its holders"
+                owner[slot] = (s, fill)
+
+    @invariant()
+    def usage_counts_distinct_filled_slots(self):
+        u = self.bm.usage()
+        bm = self.bm
+        distinct = {x for s in bm.seq_ids() for x in bm.slot_mapping(s, range(bm.num_tokens(s)))}
+        assert u.used_blocks == self.bm.allocator.num_used
+        assert u.free_blocks == self.bm.allocator.num_free
+        assert u.reserved_slots == u.used_blocks * self.bm.block_size
+        assert u.used_slots == len(distinct)
+        assert u.wasted_slots == u.reserved_slots - len(distinct)
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for s in self.bm.seq_ids():
+            self.bm.free(s)
+        assert self.bm.allocator.num_free == self.bm.allocator.num_blocks  # nothing leaked
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
+test_block_manager_invariants_hold_under_random_interleavings = BlockManagerMachine.TestCase
+
+
+# ---- hand-worked cases -------------------------------------------------------------------------
+
+
+def test_append_across_a_block_boundary_takes_one_new_block():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(0, 3)
+    assert len(bm.block_table(0)) == 1
+    result = bm.append_slots(0, 3)  # positions 3, 4, 5: the last slot of block 0, two of block 1
+    t = bm.block_table(0)
+    assert len(t) == 2 and t[0] != t[1]
+    assert result.slots == [t[0] * 4 + 3, t[1] * 4 + 0, t[1] * 4 + 1]
+    assert result.copies == []
+    assert bm.num_tokens(0) == 6
+    assert bm.slot_mapping(0, [0, 5]) == [t[0] * 4, t[1] * 4 + 1]
+
+
+def test_append_that_fits_in_the_last_block_takes_no_block():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate(0, 1)
+    free_before = bm.allocator.num_free
+    assert len(bm.append_slots(0, 3).slots) == 3
+    assert bm.allocator.num_free == free_before
+
+
+def test_copy_on_write_is_reported_exactly_once_for_the_writer():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate(0, 5)  # blocks [a, b]; b holds 1 token
+    bm.fork(0, 1)
+    a, b = bm.block_table(0)
+    assert bm.allocator.refcount(a) == 2 and bm.allocator.refcount(b) == 2
+
+    first = bm.append_slots(0, 1)  # the parent writes into the shared, partly filled block b
+    new = bm.block_table(0)[1]
+    assert first.copies == [(b, new)] and new not in (a, b)
+    assert first.slots == [new * 4 + 1]
+    assert bm.block_table(1) == [a, b]  # the child keeps the original
+    assert bm.allocator.refcount(b) == 1 and bm.allocator.refcount(a) == 2
+
+    assert bm.append_slots(0, 1).copies == []  # the parent's block is private now
+    assert bm.append_slots(1, 1).copies == []  # so is the child's: b has a single holder left
+    assert bm.append_slots(1, 1).slots == [b * 4 + 2]
+
+
+def test_fork_at_a_full_block_needs_no_copy():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(0, 4)
+    bm.fork(0, 1)
+    result = bm.append_slots(1, 1)
+    assert result.copies == []
+    assert bm.block_table(1)[0] == bm.block_table(0)[0]
+    assert bm.block_table(1)[1] != bm.block_table(0)[0]
+
+
+def test_copy_on_write_that_cannot_get_a_block_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate(0, 5)
+    bm.fork(0, 1)
+    before = snapshot(bm)
+    with pytest.raises(NoFreeBlocksError) as err:
+        bm.append_slots(0, 1)
+    assert (err.value.needed, err.value.free) == (1, 0)
+    assert snapshot(bm) == before
+    assert not bm.can_append_slots(0, 1)
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    bm.allocate(0, 3)  # 2 blocks
+    before = snapshot(bm)
+    assert not bm.can_allocate(3)
+    with pytest.raises(NoFreeBlocksError) as err:
+        bm.allocate(1, 3)
+    assert (err.value.needed, err.value.free) == (2, 1)
+    assert 1 not in bm
+    assert snapshot(bm) == before
+    with pytest.raises(NoFreeBlocksError):
+        bm.append_slots(0, 4)  # 7 tokens need 4 blocks, we hold 2, 1 is free
+    assert snapshot(bm) == before
+
+
+def test_usage_counts_shared_blocks_once():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    bm.allocate(0, 5)  # 2 blocks, 3 empty slots
+    bm.allocate(1, 4)  # 1 full block
+    bm.fork(0, 2)  # shares both of sequence 0's blocks
+    u = bm.usage()
+    assert (u.total_blocks, u.used_blocks, u.free_blocks) == (10, 3, 7)
+    assert (u.reserved_slots, u.used_slots, u.wasted_slots) == (12, 9, 3)
+    assert u.waste_fraction == pytest.approx(3 / 12)
+
+
+def test_free_returns_blocks_only_when_the_last_holder_lets_go():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate(0, 3)
+    bm.fork(0, 1)
+    bm.free(0)
+    assert bm.allocator.num_used == 2
+    bm.free(1)
+    assert bm.allocator.num_used == 0
+
+
+def test_allocator_rejects_double_free_and_unknown_ids():
+    alloc = BlockAllocator(2)
+    b = alloc.allocate()
+    assert alloc.free(b) is True
+    with pytest.raises(ValueError, match="already free"):
+        alloc.free(b)
+    with pytest.raises(ValueError, match="already free"):
+        alloc.incref(b)
+    for bad in (-1, 2, 99):
+        with pytest.raises(ValueError, match=r"unknown: valid ids are 0\.\.1"):
+            alloc.free(bad)
+    alloc.allocate_many(2)
+    with pytest.raises(NoFreeBlocksError) as err:
+        alloc.allocate()
+    assert (err.value.needed, err.value.free) == (1, 0)
+
+
+def test_manager_rejects_unknown_and_duplicate_sequences():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate(0, 2)
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.allocate(0, 1)
+    with pytest.raises(ValueError, match="unknown sequence id 7"):
+        bm.append_slots(7, 1)
+    with pytest.raises(ValueError, match="unknown sequence id 7"):
+        bm.fork(7, 8)
+    with pytest.raises(ValueError, match="already exists"):
+        bm.fork(0, 0)
+    with pytest.raises(ValueError, match=r"position 2 .* outside 0\.\.1"):
+        bm.slot_mapping(0, [2])
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        bm.append_slots(0, -1)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(num_blocks=4, block_size=0)
