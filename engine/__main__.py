@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     k.set_defaults(func=cmd_kv_size)
     t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
-    t.add_argument("--tokens", type=int, default=6_000_000)
+    t.add_argument("--tokens", type=int, default=9_000_000)
     t.set_defaults(func=cmd_train)
     args = p.parse_args(argv)
     try:

@@ -6,8 +6,9 @@
 
 Run it with `python -m engine train-tinylab` (about an hour on 2 CPU cores). Everything is seeded,
 so the same command makes the same model on the same software. The loss counts the *target* of each
-task fully and its prompt a little (`prompt_loss_weight`): the prompts of `recall` are random facts
-that no model can predict, and spending capacity on them would only slow learning.
+task and not its prompt (`prompt_loss_weight`): the prompts of `recall` are random facts that no
+model can predict, and a first run that also counted prompts (at weight 0.1) never learned to copy
+a value out of its context in 6M tokens. Stories count fully (they are what perplexity measures).
 """
 
 from __future__ import annotations
@@ -45,17 +46,17 @@ class TrainConfig:
     context_tokens: int = 512
     rope_theta: float = 10000.0
     # optimisation
-    batch_rows: int = 16  # rows of `context_tokens` per step
-    total_tokens: int = 6_000_000
-    lr: float = 3e-3
+    batch_rows: int = 8  # rows of `context_tokens` per step (small batches: more updates per token)
+    total_tokens: int = 9_000_000
+    lr: float = 2e-3
     min_lr_fraction: float = 0.1  # cosine decays to this fraction of lr
-    warmup_steps: int = 60
+    warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    prompt_loss_weight: float = 0.1
+    prompt_loss_weight: float = 0.0  # task prompts are given, not predicted (stories count fully)
     bf16_autocast: bool = True
     seed: int = 0
-    checkpoint_every_steps: int = 100  # save the folder now and then, so a stopped run still leaves a model
+    checkpoint_every_steps: int = 200  # save the folder now and then, so a stopped run still leaves a model
     mix: dict = field(default_factory=lambda: dict(tasks.DEFAULT_MIX))
 
     @property

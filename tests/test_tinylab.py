@@ -1,0 +1,61 @@
+"""The bundled model: transformers loads it with equal logits, its greedy outputs are pinned, its eval runs,
+and the training script still trains (a few steps of a tiny config: CI never retrains the real one)."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from engine import load_model, tasks
+from engine.eval import evaluate_model
+from engine.kv_cache import generate_cached
+from engine.loader import bundled_model_path
+from engine.naive import full_logits, generate_naive
+from engine.sampling import SamplingParams
+from engine.training import TrainConfig, train
+
+GOLDEN = Path(__file__).parent / "golden" / "tinylab_greedy.json"
+
+
+def test_transformers_loads_tinylab_with_equal_logits():
+    import transformers
+
+    model, tok = load_model("tinylab")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(bundled_model_path("tinylab")).eval()
+    ids = torch.tensor([tok.encode(tasks.eval_examples("recall", 1)[0].prompt)])
+    with torch.no_grad():
+        diff = (full_logits(model, ids) - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-4, f"max |ours - transformers| = {diff:.2e}"
+
+
+def test_greedy_outputs_match_the_golden_file():
+    """Pinned token ids (made once by the naive loop when the model was trained): naive and cached agree."""
+    model, tok = load_model("tinylab")
+    golden = json.loads(GOLDEN.read_text())
+    params = SamplingParams(temperature=0.0, max_tokens=golden["max_tokens"])
+    for case in golden["cases"]:
+        assert generate_naive(model, tok, case["prompt"], params).token_ids == case["token_ids"], case["prompt"]
+        assert generate_cached(model, tok, case["prompt"], params).token_ids == case["token_ids"], case["prompt"]
+
+
+def test_eval_runs_on_a_small_sample_and_scores_every_task():
+    model, tok = load_model("tinylab")
+    n = 4 if os.environ.get("SERVELAB_FAST") else 50
+    rows = evaluate_model(model, tok, n=n, progress=False)
+    metrics = {(r["task"], r["metric"]) for r in rows}
+    for needed in [("arith", "exact"), ("recall", "accuracy"), ("json", "parse_rate"),
+                   ("refuse", "refusal_rate"), ("story", "perplexity")]:
+        assert needed in metrics
+    perplexity = next(r["value"] for r in rows if r["task"] == "story")
+    assert 1.0 <= perplexity < 3.0, "story perplexity of the trained model should be low (templated text)"
+
+
+def test_training_script_reduces_the_loss_on_a_tiny_config(tmp_path):
+    cfg = TrainConfig(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, context_tokens=128, batch_rows=4, total_tokens=128 * 4 * 30,
+                      warmup_steps=3, checkpoint_every_steps=10_000, bf16_autocast=False)
+    log = train(cfg, tmp_path, progress=False)
+    assert log["loss"][-1] < log["loss"][0] - 0.5
+    model, tok = load_model(tmp_path)
+    assert model.config.num_hidden_layers == 1 and tok.decode(tok.encode("Q: 1+2=")) == "Q: 1+2="
