@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
-# Two cores: two pytest workers.
+# Two cores: two pytest workers, one thread each (two torch threads per worker oversubscribe the cores).
 WORKERS ?= 2
 
 .PHONY: demo test lab bench lint clean
@@ -24,7 +24,7 @@ demo: $(RUNTIME)
 	$(PY) -m engine demo --no-pause
 
 test: $(DEV)
-	SERVELAB_FAST=1 $(PY) -m pytest -q -n $(WORKERS) --nbmake tests chapters
+	OMP_NUM_THREADS=1 SERVELAB_FAST=1 $(PY) -m pytest -q -n $(WORKERS) --nbmake tests chapters
 
 lab: $(RUNTIME)
 	$(VENV)/bin/jupyter lab chapters/
