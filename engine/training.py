@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +33,8 @@ from engine.loader import hf_weight_names
 from engine.model import LlamaModel
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
-TOKENIZER_TRAINING_DOCS = 20_000  # enough text for BPE merges to settle on a ~1k vocabulary
+TOKENIZER_TRAINING_DOCS = 20_000
+FACT_PATTERN = re.compile(r"(\w+)=(\d+);")  # one `key=value;` fact of a recall prompt  # enough text for BPE merges to settle on a ~1k vocabulary
 
 
 @dataclass
@@ -54,6 +57,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     prompt_loss_weight: float = 0.0  # task prompts are given, not predicted (stories count fully)
+    recall_drills: int = 6  # extra supervised lookups per recall document (see `recall_drills`)
     bf16_autocast: bool = True
     seed: int = 0
     checkpoint_every_steps: int = 200  # save the folder now and then, so a stopped run still leaves a model
@@ -90,22 +94,50 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float) -> tuple[list[int], list[float]]:
+def recall_drills(ex: tasks.Example, rng: random.Random, max_drills: int) -> list[tuple[str, str]]:
+    """Extra questions about other facts of a recall prompt, asked before the real question:
+
+        Facts: zor=417; bim=82; kep=950; Quiz: kep? Answer: 950 Quiz: zor? Answer: 417 Question: bim? Answer: 82
+
+    Looking a value up by its key is learned late and suddenly (an "induction" circuit must form); one
+    supervised answer per 400-token document gives too little signal, so each document drills several
+    (a different cue, "Quiz:", so that after the real answer the model still writes EOS)."""
+    facts = FACT_PATTERN.findall(ex.prompt.split("Question:")[0])
+    picked = rng.sample(facts, min(max_drills, len(facts)))
+    return [(f" Quiz: {key}? Answer:", f" {value}") for key, value in picked]
+
+
+def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float,
+                   drills: list[tuple[str, str]] = ()) -> tuple[list[int], list[float]]:
     """[BOS] prompt target [EOS], each token with its loss weight. Prompt and target are encoded
-    separately, exactly as at inference time (the prompt is encoded, then the model writes)."""
-    prompt = tok.encode(ex.prompt).ids  # starts with BOS
-    target = tok.encode(ex.target, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
+    separately, exactly as at inference time (the prompt is encoded, then the model writes).
+    Recall drills (question, answer) go between the facts and the real question."""
     w_prompt = 1.0 if ex.task == "story" else prompt_weight
-    return prompt + target, [w_prompt] * len(prompt) + [1.0] * len(target)
+    head, sep, question = ex.prompt.rpartition("Question:") if drills else (ex.prompt, "", "")
+    ids, weights = tok.encode(head.rstrip() if drills else head).ids, []  # starts with BOS
+    weights = [w_prompt] * len(ids)
+    for q, a in drills:
+        q_ids, a_ids = tok.encode(q, add_special_tokens=False).ids, tok.encode(a, add_special_tokens=False).ids
+        ids, weights = ids + q_ids + a_ids, weights + [w_prompt] * len(q_ids) + [1.0] * len(a_ids)
+    if drills:
+        q_ids = tok.encode(" " + sep + question, add_special_tokens=False).ids
+        ids, weights = ids + q_ids, weights + [w_prompt] * len(q_ids)
+    target = tok.encode(ex.target, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
+    return ids + target, weights + [1.0] * len(target)
 
 
 def packed_rows(tok: Tokenizer, cfg: TrainConfig, seed: int):
     """Yield (ids [T], weights [T]) rows of exactly `context_tokens`, whole documents only, padded."""
     T, pad = cfg.context_tokens, tok.token_to_id(PAD)
+    rng = random.Random(seed)
     ids: list[int] = []
     weights: list[float] = []
     for ex in tasks.training_examples(seed=seed, mix=cfg.mix):
-        doc_ids, doc_w = encode_example(tok, ex, cfg.prompt_loss_weight)
+        drills = recall_drills(ex, rng, cfg.recall_drills) if ex.task == "recall" else []
+        doc_ids, doc_w = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
+        while len(doc_ids) > T and drills:  # too long with all drills: drop some
+            drills = drills[:-1]
+            doc_ids, doc_w = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
         if len(doc_ids) > T:
             continue
         if len(ids) + len(doc_ids) > T:
