@@ -151,12 +151,17 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: derived from max_num_seqs * max_model_len
     sliding_window: int | None = None
+    swap_space_blocks: int | None = None  # CPU-side pool for swap preemption; None: as many as num_blocks
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1 and math.log2(self.block_size).is_integer(),
                  f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None:
             _require(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.swap_space_blocks is not None:
+            _require(self.swap_space_blocks >= 0,
+                     f"swap_space_blocks must be >= 0 (or None: as many as num_blocks), "
+                     f"got {self.swap_space_blocks}")
 
 
 @dataclass
@@ -167,9 +172,63 @@ class EngineConfig:
     dtype: str = "float32"
     attention_backend: str = "torch"
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
         _require(self.attention_backend in ("torch", "triton", "cuda"),
                  f"attention_backend must be one of torch, triton, cuda; got {self.attention_backend!r}")
+
+
+SCHEDULER_POLICIES = ("continuous", "static")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler picks each step's work (chapter 05).
+
+    policy: "continuous" admits waiting requests at every step while the token budget, max_num_seqs
+        and the free KV blocks allow; "static" admits a batch only when nothing is running, and runs
+        it to completion first (the baseline continuous batching is compared against).
+    max_num_batched_tokens: tokens in one step's forward (prefill chunks + one per decode).
+        None: the model's context length, so any prompt fits in one step.
+    enable_chunked_prefill / max_prefill_chunk_tokens: split a long prompt over several steps,
+        at most this many tokens per step (None: whatever budget is left), so decodes keep going.
+    priority: each request's number; LOWER is served first (vLLM's convention), FCFS within one.
+    tenant_max_running: per-tenant quota of running requests, e.g. {"free": 2}; tenants not
+        listed get `default_tenant_max_running` (None: no quota).
+    """
+
+    policy: str = "continuous"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = False
+    max_prefill_chunk_tokens: int | None = None
+    preemption_mode: str = "recompute"
+    tenant_max_running: dict[str, int] = field(default_factory=dict)
+    default_tenant_max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.policy in SCHEDULER_POLICIES,
+                 f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
+        _require(self.preemption_mode in PREEMPTION_MODES,
+                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+                 f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        for name in ("max_num_batched_tokens", "max_prefill_chunk_tokens", "default_tenant_max_running"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value >= 1),
+                     f"{name} must be None or an integer >= 1, got {value!r}")
+        if self.max_prefill_chunk_tokens is not None:
+            _require(self.enable_chunked_prefill,
+                     f"max_prefill_chunk_tokens={self.max_prefill_chunk_tokens} needs "
+                     "enable_chunked_prefill=True")
+        for tenant, quota in self.tenant_max_running.items():
+            _require(isinstance(quota, int) and quota >= 1,
+                     f"tenant_max_running[{tenant!r}] must be an integer >= 1, got {quota!r}")
+
+    def tenant_quota(self, tenant: str | None) -> int | None:
+        """How many requests of `tenant` may run at once (None: no limit)."""
+        return self.tenant_max_running.get(tenant, self.default_tenant_max_running)

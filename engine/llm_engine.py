@@ -1,0 +1,305 @@
+"""`LLMEngine`: requests in, one scheduler step at a time, a `StepReport` out of every step.
+
+    engine = LLMEngine(model, tokenizer, engine_config(max_num_seqs=4, num_blocks=32))
+    engine.add_request("2+2=", SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished_requests():
+        report = engine.step()          # what this step scheduled, its queues, blocks, events, timings
+    engine.trace.save("run.json")       # every report, plus the configuration
+
+One `step()`:  schedule ──► move blocks (swap / copy) ──► ONE packed forward ──► sample ──►
+append tokens, check stops, free finished requests' blocks ──► StepReport.
+
+Documented behaviours:
+- `add_request` rejects, with a ValueError and nothing allocated or registered: an empty prompt,
+  a prompt of max_position_embeddings tokens or more, a duplicate request id, and a request that
+  could not fit in the whole KV pool even alone. `max_tokens` is CLAMPED so that prompt + max_tokens
+  <= max_position_embeddings (what `engine.naive` does: generation stops at the context with
+  finish_reason "length"). n > max_num_seqs is rejected (the samples could never run together).
+- n > 1: the request's samples are sequences "<id>", "<id>#1", ..., forked from the prompt's
+  blocks at the first token (see engine/request.py); `abort_request("<id>")` stops them all.
+- `abort_request` of an unknown or already finished id is a no-op: it warns and returns False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.model import LlamaModel
+from engine.naive import encode_prompt, eos_ids
+from engine.request import Request
+from engine.runner import PagedAttention, build_batch, run_model
+from engine.sampling import SamplingParams, sample
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import Tokenizer
+from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepReport, TimeSplit, Trace
+
+
+def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = "torch",
+                  **options) -> EngineConfig:
+    """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
+    (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
+    names = {group: {f.name for f in dataclasses.fields(cls)}
+             for group, cls in (("scheduler", SchedulerConfig), ("cache", CacheConfig))}
+    picked: dict[str, dict] = {group: {} for group in names}
+    for key, value in options.items():
+        owner = next((group for group, fields in names.items() if key in fields), None)
+        if owner is None:
+            known = sorted(names["scheduler"] | names["cache"])
+            raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+        picked[owner][key] = value
+    return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend,
+                        cache=CacheConfig(**picked["cache"]),
+                        scheduler=SchedulerConfig(**picked["scheduler"]))
+
+
+class LLMEngine:
+    """Admits requests, runs one scheduler step per `step()`, and records a `Trace`."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None, clock: Callable[[], float] = time.time):
+        self.config = config = config or EngineConfig()
+        self.model, self.tokenizer, self.clock = model.eval(), tokenizer, clock
+        cfg = model.config
+        if cfg.sliding_window is not None:
+            raise ValueError(f"model has sliding_window={cfg.sliding_window}: the paged engine attends over "
+                             "the whole context; use engine.kv_cache.generate_cached(..., window=...)")
+        self.max_model_len = cfg.max_position_embeddings
+        block_size, cache = config.cache.block_size, config.cache
+        blocks_per_seq = math.ceil(self.max_model_len / block_size)
+        num_blocks = cache.num_blocks or config.scheduler.max_num_seqs * blocks_per_seq
+        swap_blocks = 0
+        if config.scheduler.preemption_mode == "swap":
+            swap_blocks = num_blocks if cache.swap_space_blocks is None else cache.swap_space_blocks
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, swap_blocks)
+        self.attention = PagedAttention(model, num_blocks, block_size, swap_blocks, config.attention_backend)
+        self.device = model.embed_tokens.weight.device
+        self.eos = eos_ids(model, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
+        self._events: list[dict] = []  # arrivals and aborts since the last step
+        self._finished: dict[str, str] = {}  # finished since the last step's report: id -> reason
+        self._num_steps = 0
+        self._num_requests = 0  # for default request ids
+        self._next_seq_id = 0  # the BlockManager's key of each sequence (one per sample)
+
+    @classmethod
+    def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32", attention_backend: str = "torch",
+                        **options) -> LLMEngine:
+        """Load a local Hugging Face-format folder or a bundled model by name; options: `engine_config`."""
+        import torch
+
+        from engine.loader import load_model
+
+        config = engine_config(model, dtype, attention_backend, **options)
+        llama, tokenizer = load_model(model, dtype=getattr(torch, dtype))
+        return cls(llama, tokenizer, config)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, tenant: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. What is rejected: see the module docstring."""
+        params = params or SamplingParams()
+        request_id = str(self._num_requests if request_id is None else request_id)
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]  # one per sample
+        if any(i in self.requests for i in ids):
+            raise ValueError(f"request_id {request_id!r} is already in use; pick another or leave it None")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} samples could never run together with "
+                             f"max_num_seqs={self.config.scheduler.max_num_seqs}; lower n or raise "
+                             "max_num_seqs")
+        prompt_ids = encode_prompt(prompt, self.tokenizer, self.max_model_len)
+        params = self._clamp(params, len(prompt_ids))
+        self._check_fits_in_pool(len(prompt_ids) + params.max_tokens - 1)  # the last token is never fed
+        arrival = self.clock() if arrival_time is None else arrival_time
+        text = prompt if isinstance(prompt, str) else None
+        samples = [Request(rid, self._next_seq_id + i, text, prompt_ids, _sample_params(params, i), arrival,
+                           priority, tenant, self.tokenizer.detokenizer() if self.tokenizer else None,
+                           self.eos, index=i) for i, rid in enumerate(ids)]
+        head = samples[0]
+        head.pending_forks = samples[1:]
+        for s in samples:
+            s.samples = samples
+        self._next_seq_id += len(samples)
+        self._num_requests += 1
+        self.requests.update((s.request_id, s) for s in samples)
+        self.scheduler.add(head)
+        self._events.append({"type": "arrived", "request_id": request_id, "arrival_time": arrival,
+                             "num_prompt_tokens": len(prompt_ids), "max_tokens": params.max_tokens,
+                             "priority": priority, "tenant": tenant, "n": params.n})
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request (all its samples; "<id>#i" stops sample i only) and free all its blocks at
+        once. Unknown or already finished id: a warning, and False."""
+        req = self.requests.get(str(request_id))
+        if req is None or req.is_finished:
+            state = "unknown" if req is None else "already finished"
+            warnings.warn(f"abort_request({request_id!r}): {state} request id, nothing to abort",
+                          stacklevel=2)
+            return False
+        now, head = self.clock(), req.samples[0]
+        for seq in [s for s in req.samples if not s.is_finished] if req is head else [req]:
+            if seq in head.pending_forks:
+                head.pending_forks.remove(seq)
+            self.scheduler.finish(seq)
+            seq.finish("abort", now)
+            self._events.append({"type": "aborted", "request_id": seq.request_id, "time": now})
+            self._finished[seq.request_id] = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_request(self, request_id: str) -> Request:
+        return self.requests[str(request_id)]
+
+    def pop_request(self, request_id: str) -> Request:
+        """Forget a finished request and its samples (the engine keeps finished ones until popped)."""
+        req = self.requests[str(request_id)]
+        group = req.samples if req.index == 0 else [req]
+        unfinished = [s.request_id for s in group if not s.is_finished]
+        if unfinished:
+            raise ValueError(f"request {request_id!r} still has unfinished samples {unfinished}; "
+                             "abort it or step until it finishes")
+        for seq in group:
+            self.requests.pop(seq.request_id)
+        return req
+
+    def _clamp(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if params.max_tokens <= room:
+            return params
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
+    def _check_fits_in_pool(self, num_tokens: int) -> None:
+        need, have = self.block_manager.blocks_for(num_tokens), self.block_manager.allocator.num_blocks
+        if need > have:
+            raise ValueError(f"request needs up to {need} KV blocks ({num_tokens} tokens) but the pool has "
+                             f"only num_blocks={have}: lower max_tokens, shorten the prompt, "
+                             "or raise num_blocks")
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> StepReport:
+        """One scheduler iteration: schedule, one packed forward, sample, update. Returns its report."""
+        start, t0 = self.clock(), time.perf_counter()
+        s = self.scheduler
+        sched = s.schedule()
+        if not sched.work and s.has_unfinished():  # a bug, not a state to wait in: fail loudly
+            raise RuntimeError(f"the scheduler found nothing to run with {len(s.waiting)} waiting, "
+                               f"{len(s.running)} running, {len(s.swapped)} swapped")
+        time_s = TimeSplit(schedule=time.perf_counter() - t0)
+        sampled = self._forward_and_sample(sched, time_s)
+        queues, blocks = self._queue_snapshot(), self._block_snapshot()  # before finished ones free blocks
+        scheduled, finish_events = self._update(sched, sampled, start)
+        queues.finished, self._finished = {**self._finished}, {}
+        events, self._events = self._events + sched.events + finish_events, []
+        report = StepReport(self._num_steps, start, self.clock(), time_s, scheduled, queues, blocks, events)
+        self._num_steps += 1
+        time_s.other = max(0.0, time.perf_counter() - t0 - time_s.total)
+        self.trace.append(report)
+        return report
+
+    def _forward_and_sample(self, sched: SchedulerOutput, time_s: TimeSplit) -> dict[Request, tuple]:
+        """Move blocks, run the packed forward, sample; returns request -> (token, logprobs).
+
+        A request about to fork its samples lends its logits row to each of them (they share the
+        prompt). The forward's time is shared between prefill and decode in proportion to their
+        token counts (they share every matmul, so only the attention part could be told apart)."""
+        if not sched.work:
+            return {}
+        t0 = time.perf_counter()
+        self.attention.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
+        input_ids, positions, meta = build_batch(sched.work, self.block_manager, self.device)
+        logits = run_model(self.model, self.attention, input_ids, positions, meta)  # [S, V]
+        t1 = time.perf_counter()
+        owners, rows = [], []
+        for row, w in enumerate(w for w in sched.work if w.samples):
+            for req in (w.request, *w.request.pending_forks):
+                owners.append(req)
+                rows.append(row)
+        out = sample(logits[rows].float(), [r.sampling for r in owners], self.eos[0] if self.eos else None)
+        time_s.sample = time.perf_counter() - t1
+        n_prefill = sum(w.end - w.start for w in sched.work if w.phase == "prefill")
+        n_all = sum(w.end - w.start for w in sched.work)
+        time_s.prefill = (t1 - t0) * n_prefill / n_all
+        time_s.decode = (t1 - t0) - time_s.prefill
+        return dict(zip(owners, zip(out.token_ids.tolist(), out.logprobs, strict=True), strict=True))
+
+    def _update(self, sched: SchedulerOutput, sampled: dict,
+                start: float) -> tuple[list[ScheduledRequest], list[dict]]:
+        """Fork samples, append sampled tokens, finish requests that stopped; returns the step's
+        ScheduledRequests and events (a forked sample shows as a prefill of 0 tokens that samples 1)."""
+        now, scheduled, events = self.clock(), [], []
+        for w in sched.work:
+            req = w.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+            token, logprobs = sampled.get(req, (None, None))
+            new = [] if token is None else [token]
+            scheduled.append(ScheduledRequest(req.request_id, w.phase, w.start, w.end, len(new), new))
+            if token is None:
+                continue
+            forks, req.pending_forks = req.pending_forks, []
+            for child in forks:  # before req may finish and free the blocks they share
+                self.scheduler.fork(req, child)
+                child.first_scheduled_time = start
+                events.append({"type": "forked", "request_id": child.request_id, "parent": req.request_id})
+                scheduled.append(ScheduledRequest(child.request_id, "prefill", w.end, w.end, 1,
+                                                  [sampled[child][0]]))
+            for seq in (req, *forks):
+                self._append(seq, *sampled[seq], now, events)
+        return scheduled, events
+
+    def _append(self, req: Request, token: int, logprobs, now: float, events: list[dict]) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.append_token(token, logprobs):
+            req.finish(req.finish_reason, now)
+            self.scheduler.finish(req)
+            self._finished[req.request_id] = req.finish_reason
+            events.append({"type": "finished", "request_id": req.request_id, "reason": req.finish_reason})
+
+    # ---- reports ------------------------------------------------------------------------------
+    def _queue_snapshot(self) -> QueueSnapshot:
+        s = self.scheduler
+        preempted = [r.request_id for r in s.waiting + s.swapped if r.preempted]
+        return QueueSnapshot([r.request_id for r in s.waiting], [r.request_id for r in s.running],
+                             [r.request_id for r in s.swapped], preempted)
+
+    def _block_snapshot(self) -> BlockSnapshot:
+        bm, usage, pool = self.block_manager, self.block_manager.usage(), self.scheduler.swap_pool
+        live = [r for r in self.scheduler.running if r.seq_id in bm]
+        return BlockSnapshot(
+            total=usage.total_blocks, used=usage.used_blocks, free=usage.free_blocks, cached=0,
+            block_size=bm.block_size, wasted_slots=usage.wasted_slots,
+            tables={r.request_id: bm.block_table(r.seq_id) for r in live},
+            num_tokens={r.request_id: bm.num_tokens(r.seq_id) for r in live},
+            swap_total=pool.num_blocks if pool else 0, swap_used=pool.num_used if pool else 0)
+
+    def _config_dict(self, num_blocks: int, swap_blocks: int) -> dict:
+        cfg = self.model.config
+        return {
+            "model": {"name": self.config.model, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                      "num_hidden_layers": cfg.num_hidden_layers,
+                      "max_position_embeddings": cfg.max_position_embeddings},
+            "dtype": self.config.dtype, "attention_backend": self.attention.backend,
+            "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
+                      "swap_space_blocks": swap_blocks},
+            "scheduler": {**dataclasses.asdict(self.config.scheduler),
+                          "token_budget": self.scheduler.token_budget},
+        }
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample i of n draws with its own generator, seeded seed + i (so it equals an n = 1 request
+    with that seed); unseeded samples each get fresh entropy."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

@@ -1,0 +1,124 @@
+"""A request inside the engine: its tokens, where it is in its life, and when things happened.
+
+    add_request ──► WAITING ──admitted──► RUNNING ──stop / length──► FINISHED
+                      ▲                    │  │
+                      └── recompute ───────┘  └── swap ──► SWAPPED ──swapped in──► RUNNING
+                          (preempted)                      (preempted)
+    abort_request: from any state straight to FINISHED with reason "abort".
+
+The one number the scheduler and the runner care about is `num_computed_tokens`: how many of
+the request's tokens already have their K/V in the cache. Each step feeds positions
+[num_computed_tokens, end) and, when `end` reaches the last known token, samples the next one:
+
+    all_token_ids   p0 p1 p2 p3 p4 | o0 o1          (prompt, then outputs)
+    computed        ██ ██ ██ ██ ██ ██                 num_computed_tokens = 6
+    next step feeds                   o1  -> samples o2 (a decode step)
+
+A recompute preemption sets num_computed_tokens back to 0: the prompt AND the outputs so far are
+prefilled again later, which gives exactly the cache they had (the same tokens at the same positions).
+
+n > 1 samples of one prompt: sample 0 (the request's own id) is prefilled alone, the others
+("<id>#1", ...) wait in its `pending_forks`. When sample 0 gets its first token's logits, each
+waiting sample is FORKED: it shares sample 0's KV blocks (BlockManager.fork, no copy) and draws
+its own first token from the same logits. The first write into a shared, partly filled block
+copies that block (copy-on-write), so the prompt's full blocks stay stored once:
+
+    sample 0   [blk 3][blk 5][blk 9]    the first to write into the shared blk 8 got a private copy
+    sample 1   [blk 3][blk 5][blk 8]    then blk 8 is held by sample 1 only: no copy needed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams, SamplingState, check_stop
+from engine.tokenizer import IncrementalDetokenizer
+
+WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. `seq_id` is its key in the BlockManager."""
+
+    request_id: str
+    seq_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0  # lower is served first (vLLM's convention)
+    tenant: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    num_computed_tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    preempted: bool = False  # waiting or swapped because of a preemption (cleared when it runs again)
+    logprobs: list = field(default_factory=list)  # engine.sampling.TokenLogprobs per token, when asked
+    index: int = 0  # which of the request's n samples this sequence is
+    samples: list[Request] = field(default_factory=list)  # all n samples of the request, in index order
+    pending_forks: list[Request] = field(default_factory=list)  # on sample 0: forked at its first token
+
+    def __post_init__(self) -> None:
+        self.sampling = SamplingState(self.params, prompt_ids=list(self.prompt_token_ids))
+
+    # ---- tokens ---------------------------------------------------------------------------
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens known but not yet in the cache: the rest of the prompt, or 1 while decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is left to feed: a one-token decode step."""
+        return bool(self.output_token_ids) and self.num_uncomputed_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == FINISHED
+
+    # ---- progress -------------------------------------------------------------------------
+    def append_token(self, token: int, logprobs=None) -> bool:
+        """Record a sampled token; returns True when the request is now finished (see `finish`).
+
+        The stop rules are exactly `engine.naive.run_loop`'s, so outputs match the naive loop:
+        text grows only with non-EOS tokens; any EOS id stops (after min_tokens); then `check_stop`.
+        """
+        params, eos = self.params, self.eos_token_ids
+        self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.detokenizer is not None and token not in eos:
+            self.detokenizer.push(token)
+            self.text = self.detokenizer.text
+        enough = len(self.output_token_ids) >= params.min_tokens
+        hit_other_eos = token in eos[1:] and not params.ignore_eos and enough
+        done, why, self.text = check_stop(self.output_token_ids, self.text, params, eos[0] if eos else None)
+        if done or hit_other_eos:
+            self.finish_reason = why or "stop"
+            return True
+        return False
+
+    def finish(self, reason: str, now: float) -> None:
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason {reason!r} is not one of {FINISH_REASONS}")
+        self.status, self.finish_reason, self.finish_time = FINISHED, reason, now

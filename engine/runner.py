@@ -1,0 +1,155 @@
+"""One step's forward: pack the scheduled tokens of many requests into ONE row, run the model once.
+
+No padding: the tokens of every scheduled request are laid end to end, each with its own position
+and its own KV slot. A step with two decodes and a prefill chunk of 3 tokens:
+
+    packed row        a5  b9 | c0  c1  c2          input_ids [1, N = 5]
+    positions         5   9  | 0   1   2           positions [1, N]: RoPE angle of each token
+    slot_mapping      37  70 | 4   5   6           where each token's K/V is written in the pools
+    kind              decode | prefill chunk [0, 3)
+    logits needed     a5  b9 |         c2          only the last token of a request that samples
+
+Inside every layer, `PagedAttention.forward` writes the new K/V into their slots, then computes
+attention per kind: all decode rows at once through `paged_decode_attention` (each reads its own
+past through its block table), and each prefill chunk through `paged_prefill_attention_ref`
+(causal inside the chunk, and it sees its earlier chunks through the block table). The other
+layers (projections, MLP, norms) never mix tokens, so one packed row serves them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.block_manager import BlockManager
+from engine.model import LlamaModel
+from engine.scheduler import ScheduledWork
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention_ref,
+    resolve_backend,
+    write_kv,
+)
+
+INDEX = torch.int32  # block tables and lengths, as the paged kernels expect
+
+
+@dataclass
+class PrefillChunk:
+    """Rows [lo, hi) of the packed batch are positions `positions` of one sequence."""
+
+    lo: int
+    hi: int
+    block_table: Tensor  # [num_blocks_of_seq] int32
+    positions: Tensor  # [hi - lo] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to know about the packed batch (an argument, never a global)."""
+
+    slot_mapping: Tensor  # [N] int64: KV slot of every token
+    decode_rows: Tensor  # [Bd] int64: rows of the packed batch that are decode tokens
+    decode_block_tables: Tensor  # [Bd, max_blocks] int32, padded with 0 (never read past seq_lens)
+    decode_seq_lens: Tensor  # [Bd] int32: cached tokens of each decode sequence, the new one included
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    sample_rows: Tensor | None = None  # [S] int64: rows whose logits we sample from
+
+
+class PagedAttention:
+    """The attention backend over paged KV pools, one [NB, BS, Hkv, D] pair per layer.
+
+    Also owns the CPU-side swap pools (same layout) and the block copies the scheduler asks for.
+    `backend`: "torch" (the reference), "triton" or "cuda"; falls back to "torch" with a warning.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, swap_space_blocks: int = 0,
+                 backend: str = "torch"):
+        cfg, weight = model.config, model.embed_tokens.weight
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)  # [NB, BS, Hkv, D]
+        layers = range(cfg.num_hidden_layers)
+        self.k_pools = [weight.new_zeros(shape) for _ in layers]
+        self.v_pools = [weight.new_zeros(shape) for _ in layers]
+        swap_shape = (swap_space_blocks, *shape[1:])
+        self.k_swap = [torch.zeros(swap_shape, dtype=weight.dtype) for _ in layers]  # on the CPU
+        self.v_swap = [torch.zeros(swap_shape, dtype=weight.dtype) for _ in layers]
+        self.scale = cfg.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
+        self.backend = resolve_backend(backend, weight.device)  # warns once here, not every layer
+
+    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]: the packed batch is one row
+        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        write_kv(k, v, k_pool, v_pool, meta.slot_mapping, backend=self.backend)
+        out = torch.empty_like(q)  # [N, H, D]
+        if meta.decode_rows.numel():
+            rows = meta.decode_rows
+            out[rows] = paged_decode_attention(q[rows], k_pool, v_pool, meta.decode_block_tables,
+                                               meta.decode_seq_lens, self.scale, backend=self.backend)
+        for chunk in meta.prefills:
+            out[chunk.lo:chunk.hi] = paged_prefill_attention_ref(
+                q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale)
+        return out[None]  # [1, N, H, D]
+
+    @torch.inference_mode()
+    def move_blocks(self, swap_out, swap_in, copies) -> None:
+        """Do the scheduler's copies, in a safe order: GPU->CPU, CPU->GPU, then GPU->GPU (COW)."""
+        for layer in range(len(self.k_pools)):
+            for pools, swaps in ((self.k_pools, self.k_swap), (self.v_pools, self.v_swap)):
+                for gpu, cpu in swap_out:
+                    swaps[layer][cpu] = pools[layer][gpu].cpu()
+                for cpu, gpu in swap_in:
+                    pools[layer][gpu] = swaps[layer][cpu].to(pools[layer].device)
+                for src, dst in copies:
+                    pools[layer][dst] = pools[layer][src]
+
+
+def build_batch(work: list[ScheduledWork], block_manager: BlockManager, device) -> tuple[Tensor, Tensor,
+                                                                                         AttentionMetadata]:
+    """Pack the scheduled work: input_ids [1, N], positions [1, N] and the AttentionMetadata."""
+    ids, positions, slots, sample_rows = [], [], [], []
+    decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+    for w in work:
+        lo = len(ids)
+        ids += w.request.all_token_ids[w.start:w.end]
+        positions += range(w.start, w.end)
+        slots += w.slots
+        table = block_manager.block_table(w.request.seq_id)
+        if w.phase == "decode":
+            decode_rows.append(lo)
+            decode_tables.append(table)
+            decode_lens.append(w.end)
+        else:
+            prefills.append(PrefillChunk(lo, len(ids), torch.tensor(table, dtype=INDEX, device=device),
+                                         torch.arange(w.start, w.end, device=device)))
+        if w.samples:
+            sample_rows.append(len(ids) - 1)
+    width = max((len(t) for t in decode_tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in decode_tables]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+        decode_block_tables=torch.tensor(padded, dtype=INDEX, device=device).reshape(len(padded), width),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=INDEX, device=device),
+        prefills=prefills,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+    )
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, N]
+    return input_ids, torch.tensor([positions], device=device), meta  # positions [1, N]
+
+
+@torch.inference_mode()
+def run_model(model: LlamaModel, attention: PagedAttention, input_ids: Tensor, positions: Tensor,
+              meta: AttentionMetadata) -> Tensor:
+    """The model's layers over the packed row, then norm + lm_head on the sampled rows only: [S, V].
+
+    This is `LlamaModel.forward` with its last two lines applied to S rows instead of N: with
+    long prefill chunks most rows never need logits, and lm_head is the widest matmul (E x V).
+    """
+    x = model.embed_tokens(input_ids)  # [1, N, E]
+    cos, sin = model.rope(positions, x.dtype)  # [1, N, 1, D]
+    for layer in model.layers:
+        x = layer(x, cos, sin, attention, meta)
+    hidden = x[0, meta.sample_rows]  # [S, E]
+    return model.lm_head(model.norm(hidden))  # [S, V]

@@ -1,0 +1,272 @@
+"""Chapter 05: the scheduler decides, at every step, which tokens of which requests run next.
+
+Static batching (the baseline) admits a batch and runs it until its LAST request finishes; a
+short request's slot sits idle while a long one decodes. Continuous batching admits new requests
+at every step, so a finished request's place is refilled at once:
+
+    step       1  2  3  4  5  6  7  8  9                  P prefill  d decode  . waiting
+    static     A: P  d  d  d                               (A, B batch; C must wait for B)
+               B: P  d  d  d  d  d  d
+               C: .  .  .  .  .  .  .  P  d
+    continuous A: P  d  d  d
+               B: P  d  d  d  d  d  d
+               C: .  .  .  .  P  d  d  d  d                (C takes A's place at step 5)
+
+One `schedule()` builds one step, in this order (vLLM's):
+1. running requests, decodes first (one token each), then unfinished prefills (a chunk each);
+   if one needs a KV block and none is free, we PREEMPT a victim (below) until it fits;
+2. if nobody was preempted in this step: swapped requests come back (swap in), then waiting
+   requests are admitted in (priority, arrival) order while the token budget, `max_num_seqs`,
+   the tenant's quota and the free blocks allow. The first waiting request that does not fit
+   stops admission (FCFS: nobody overtakes it), except one blocked only by its tenant's quota.
+
+Every step stays within `max_num_batched_tokens` tokens (prefill chunk tokens + one per decode).
+
+The victim: among the running requests not yet scheduled in this step (and the needy request
+itself), the one with the LOWEST priority (largest number), then the LATEST arrival. This is
+vLLM's choice: the newest request has the least work to lose and the least waiting behind it,
+and the oldest request always makes progress, so the engine never livelocks. We never undo work
+already scheduled in this step. Preemption is by:
+- recompute: free its blocks, put it back in `waiting`; later its prompt AND outputs so far are
+  prefilled again (cheap for short sequences, costs compute);
+- swap: copy its blocks to a CPU-side pool and free the GPU ones; later copy them back (costs
+  transfers, no compute). When the CPU pool is full we fall back to recompute.
+
+The scheduler only does bookkeeping (block tables, queues); the engine's runner moves the tensors:
+`SchedulerOutput` lists the block copies it must do before the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockAllocator, BlockManager
+from engine.config import SchedulerConfig
+from engine.request import RUNNING, SWAPPED, WAITING, Request
+
+
+@dataclass
+class ScheduledWork:
+    """Feed positions [start, end) of `request`; sample a token if `end` is its last known token."""
+
+    request: Request
+    start: int
+    end: int
+    phase: str  # "prefill" or "decode"
+    slots: list[int]  # KV slot of each fed position
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    work: list[ScheduledWork] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block), copy first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU copy-on-write
+    events: list[dict] = field(default_factory=list)
+    budget_left: int = 0
+    preempted: bool = False
+
+
+def rank(req: Request) -> tuple:
+    """Sort key: higher priority (lower number) first, then earlier arrival."""
+    return (req.priority, req.arrival_time, req.seq_id)
+
+
+class Scheduler:
+    """Waiting, running and swapped queues over one BlockManager (and a CPU swap pool)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 swap_space_blocks: int = 0):
+        self.config = config
+        self.block_manager = block_manager
+        self.token_budget = config.max_num_batched_tokens or max_model_len
+        if not config.enable_chunked_prefill and self.token_budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.token_budget} is below the context ({max_model_len}) with "
+                "enable_chunked_prefill=False, so a long prompt could never run: raise it or enable chunking")
+        self.swap_pool = BlockAllocator(swap_space_blocks) if swap_space_blocks > 0 else None
+        self.swap_tables: dict[int, list[int]] = {}  # seq id -> its CPU blocks while swapped
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+
+    # ---- queues -----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """child (a sample of parent's request) starts running on parent's KV blocks, shared."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RUNNING
+        self.running.append(child)
+
+    def finish(self, req: Request) -> None:
+        """Drop a finished or aborted request from its queue and free all its blocks at once."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        if req.seq_id in self.block_manager:
+            self.block_manager.free(req.seq_id)
+        for block in self.swap_tables.pop(req.seq_id, []):
+            self.swap_pool.free(block)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(budget_left=self.token_budget)
+        if self.config.policy == "static" and not self.running and not self.swapped:
+            self._admit_static_batch(out)
+        scheduled: set[int] = set()
+        self._schedule_running(out, scheduled)
+        if not out.preempted:
+            self._swap_in(out)
+            if self.config.policy == "continuous":
+                self._admit_waiting(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, scheduled: set[int]) -> None:
+        order = sorted(self.running, key=rank)
+        decodes_first = [r for r in order if r.is_decoding] + [r for r in order if not r.is_decoding]
+        for req in decodes_first:
+            if req.status != RUNNING:  # preempted earlier in this loop, as someone's victim
+                continue
+            n = self._num_new_tokens(req, out.budget_left)
+            if n and self._make_room(req, n, out, scheduled):
+                self._schedule(req, n, out)
+                scheduled.add(req.seq_id)
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        for req in sorted(self.waiting, key=rank):
+            if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+                return  # its n samples will all run
+            if not self._tenant_has_room(req):
+                continue  # a quota blocks only its own tenant
+            n = self._num_new_tokens(req, out.budget_left)
+            if n == 0 or not self.block_manager.can_allocate(req.num_computed_tokens + n):
+                return  # FCFS: nobody overtakes the first request that does not fit
+            self._move(req, self.waiting, self.running, RUNNING)
+            out.events.append({"type": "admitted", "request_id": req.request_id,
+                               "after_preemption": req.preempted})
+            req.preempted = False
+            self._schedule(req, n, out)
+
+    def _admit_static_batch(self, out: SchedulerOutput) -> None:
+        """Static policy: take the next batch of up to max_num_seqs requests as a whole. Their
+        blocks are allocated when each is first scheduled (the token budget may spread the batch's
+        prefills over a few steps); no one else joins until the whole batch has finished."""
+        for req in sorted(self.waiting, key=rank):
+            if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+                return
+            if self._tenant_has_room(req):
+                self._move(req, self.waiting, self.running, RUNNING)
+                out.events.append({"type": "admitted", "request_id": req.request_id,
+                                   "after_preemption": req.preempted})
+                req.preempted = False
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        for req in sorted(self.swapped, key=rank):
+            if len(self.running) >= self.config.max_num_seqs or not self._tenant_has_room(req):
+                return
+            n = self._num_new_tokens(req, out.budget_left)
+            if n == 0 or not bm.can_allocate(req.num_computed_tokens + n):
+                return
+            cpu_blocks = self.swap_tables.pop(req.seq_id)
+            gpu_blocks = bm.allocate(req.seq_id, req.num_computed_tokens)
+            out.swap_in += list(zip(cpu_blocks, gpu_blocks, strict=True))
+            for block in cpu_blocks:
+                self.swap_pool.free(block)
+            self._move(req, self.swapped, self.running, RUNNING)
+            req.preempted = False
+            out.events.append({"type": "swapped_in", "request_id": req.request_id})
+            self._schedule(req, n, out)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _num_new_tokens(self, req: Request, budget_left: int) -> int:
+        """How many of req's uncomputed tokens fit in this step (0: none, wait for the next)."""
+        remaining = req.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            chunk = self.config.max_prefill_chunk_tokens or remaining
+            return min(remaining, chunk, budget_left)
+        return remaining if remaining <= budget_left else 0
+
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """Reserve KV slots for n more tokens of req (the caller checked there is room) and record it."""
+        bm, start = self.block_manager, req.num_computed_tokens
+        phase = "decode" if req.is_decoding else "prefill"
+        if req.seq_id in bm:
+            appended = bm.append_slots(req.seq_id, n)
+            slots = appended.slots
+            out.block_copies += appended.copies
+        else:  # first time it runs (or again after a recompute preemption): nothing cached
+            bm.allocate(req.seq_id, start + n)
+            slots = bm.slot_mapping(req.seq_id, range(start, start + n))
+        req.num_computed_tokens = start + n
+        out.budget_left -= n
+        out.work.append(ScheduledWork(req, start, start + n, phase, slots))
+
+    def _has_room(self, req: Request, n: int) -> bool:
+        bm = self.block_manager
+        if req.seq_id in bm:
+            return bm.can_append_slots(req.seq_id, n)
+        return bm.can_allocate(req.num_computed_tokens + n)
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
+        """Preempt victims until req's n tokens fit; False when req itself had to go (or wait)."""
+        while not self._has_room(req, n):
+            candidates = [r for r in self.running if r.seq_id not in scheduled]
+            victim = max(candidates, key=rank)  # lowest priority, then latest arrival
+            if victim is req and req.seq_id not in self.block_manager:
+                return False  # it holds nothing yet (static batch, not started): it simply waits
+            self._preempt(victim, out, f"no free KV block for request {req.request_id}")
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, reason: str) -> None:
+        swapped = self.config.preemption_mode == "swap" and self._swap_out(victim, out)
+        mode = "swap" if swapped else "recompute"
+        if mode == "recompute":
+            if victim.seq_id in self.block_manager:
+                self.block_manager.free(victim.seq_id)
+            victim.num_computed_tokens = 0
+            self._move(victim, self.running, self.waiting, WAITING)
+        victim.preempted = True
+        victim.num_preemptions += 1
+        out.preempted = True
+        out.events.append({"type": "preempted", "request_id": victim.request_id, "mode": mode,
+                           "reason": reason})
+
+    def _swap_out(self, victim: Request, out: SchedulerOutput) -> bool:
+        """Copy victim's blocks to the CPU pool (False: nothing to swap, or the pool is too full)."""
+        bm = self.block_manager
+        if self.swap_pool is None or victim.seq_id not in bm:
+            return False
+        gpu_blocks = bm.block_table(victim.seq_id)
+        if len(gpu_blocks) > self.swap_pool.num_free:
+            return False
+        cpu_blocks = self.swap_pool.allocate_many(len(gpu_blocks))
+        out.swap_out += list(zip(gpu_blocks, cpu_blocks, strict=True))
+        self.swap_tables[victim.seq_id] = cpu_blocks
+        bm.free(victim.seq_id)
+        self._move(victim, self.running, self.swapped, SWAPPED)
+        return True
+
+    def _tenant_has_room(self, req: Request) -> bool:
+        quota = self.config.tenant_quota(req.tenant)
+        return quota is None or sum(r.tenant == req.tenant for r in self.running) < quota
+
+    @staticmethod
+    def _move(req: Request, src: list[Request], dst: list[Request], status: str) -> None:
+        src.remove(req)
+        dst.append(req)
+        req.status = status
+
