@@ -63,8 +63,9 @@ def cmd_train(args) -> None:
 
     from engine.training import TrainConfig, train
 
-    cfg = TrainConfig(total_tokens=args.tokens)
-    log = train(cfg, Path(args.out))
+    cfg = TrainConfig(total_tokens=args.tokens, recall_drills=args.recall_drills)
+    resume = Path(args.resume_from) if args.resume_from else None
+    log = train(cfg, Path(args.out), resume_from=resume, start_step=args.start_step)
     print(f"trained in {log['train_seconds']:.0f} s; final loss {log['loss'][-1]:.3f}; saved to {args.out}")
 
 
@@ -103,6 +104,9 @@ def main(argv=None) -> None:
     t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
     t.add_argument("--tokens", type=int, default=9_000_000)
+    t.add_argument("--recall-drills", type=int, default=6, help="extra lookups per recall document")
+    t.add_argument("--resume-from", default=None, help="continue from a folder this command saved")
+    t.add_argument("--start-step", type=int, default=0, help="the step that folder was saved at")
     t.set_defaults(func=cmd_train)
     args = p.parse_args(argv)
     try:

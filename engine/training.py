@@ -170,22 +170,39 @@ def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor) -
     return (nll * w).sum() / w.sum().clamp(min=1.0)
 
 
-def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
-    """Train tinylab from scratch and save it to `out_dir`; returns the training log."""
-    torch.manual_seed(cfg.seed)
+def start_model(cfg: TrainConfig, resume_from: Path | None) -> tuple[LlamaModel, Tokenizer]:
+    """A fresh model and tokenizer, or the ones saved in `resume_from` (a folder this script wrote)."""
+    if resume_from is not None:
+        from engine.loader import load_model  # the saved folder is a Hugging Face-format model
+
+        model, _ = load_model(resume_from)
+        return model.train(), Tokenizer.from_file(str(Path(resume_from) / "tokenizer.json"))
     docs = [ex.text for ex, _ in zip(tasks.training_examples(seed=cfg.seed + 1, mix=cfg.mix),
                                      range(TOKENIZER_TRAINING_DOCS), strict=False)]
     tok = train_tokenizer(docs, cfg.vocab_size)
     model = LlamaModel(cfg.model_config(tok))
     init_weights(model)
+    return model, tok
+
+
+def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: Path | None = None,
+          start_step: int = 0) -> dict:
+    """Train tinylab and save it to `out_dir`; returns the training log.
+
+    `resume_from` + `start_step` continue an interrupted run from a saved folder: the weights are
+    reloaded, the learning-rate schedule continues at `start_step` (the optimizer state is not saved,
+    so AdamW restarts its moment estimates), and the data stream uses a new seed."""
+    torch.manual_seed(cfg.seed + start_step)
+    model, tok = start_model(cfg, resume_from)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": []}
     start = time.perf_counter()
-    bar = tqdm(zip(range(cfg.steps), batches(tok, cfg, cfg.seed)), total=cfg.steps, disable=not progress,
-               desc="training tinylab")
+    log["resumed_from_step"] = start_step
+    bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step)),
+               initial=start_step, total=cfg.steps, disable=not progress, desc="training tinylab")
     for step, (ids, weights) in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -198,7 +215,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True) -> dict:
         elapsed = time.perf_counter() - start
         log["steps"].append(step)
         log["loss"].append(round(loss.item(), 4))
-        log["tokens_per_s"].append(round((step + 1) * ids.numel() / elapsed))
+        log["tokens_per_s"].append(round((step + 1 - start_step) * ids.numel() / elapsed))
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=log["tokens_per_s"][-1])
         if (step + 1) % cfg.checkpoint_every_steps == 0:
             save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1)))
