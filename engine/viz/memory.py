@@ -1,0 +1,417 @@
+"""Figures for chapters 02 and 03: where the time of a forward goes, and where the memory goes.
+
+Every function here is a `render_*(...) -> matplotlib Figure` that draws numbers it is given (or
+computes them with `engine.memory` / `engine.roofline`); nothing is measured here. The one widget,
+`kv_calculator_widget()`, is a thin ipywidgets wrapper around `render_kv_calculator`, so the same
+picture works without widgets (CI, GitHub preview).
+
+    chapter 02   render_prefill_decode_times   time per token, prefill vs decode
+                 render_roofline               measurements placed on this machine's roofline
+                 render_request_timelines      TTFT, then one dot per token, for a few requests
+    chapter 03   render_step_time_curves       per-step time of the naive loop vs the cached one
+                 render_kv_calculator          weights + KV cache vs tokens (or batch), card lines
+                 render_attention_variants     KV memory of MHA vs GQA vs MQA
+                 render_window_recall          recall accuracy with and without a sliding window
+
+Artists that a test (or a curious reader) may want to find carry a `gid`, e.g. the roofline's
+roof is the line with gid "roof", the 80 GB card line has gid "gpu:80".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from engine.memory import (
+    ACTIVATION_RESERVE_FRACTION,
+    DTYPE_BYTES,
+    GB,
+    GPU_MEMORY_GB,
+    PRESETS,
+    ModelShape,
+    dtype_bytes,
+    kv_bytes_per_token,
+    max_concurrent_sequences,
+    plan_memory,
+    weight_bytes,
+)
+from engine.roofline import MachineRoofline, ridge_point
+from engine.viz.sampling import running_median, step_time_slope_ms
+
+MS_PER_S = 1000.0
+CURVE_POINTS = 400  # samples along a curve: smooth at any zoom a notebook offers
+CROSSING_MARGIN = 1.15  # extend the x axis 15% past where the largest card fills, so the crossing shows
+ROOFLINE_DECADES_MARGIN = 10.0  # one decade of room either side of the points and the ridge
+LABEL_LIFT = 1.4  # a text label sits this factor above its line on a log axis
+FIGSIZE = (8.0, 4.5)
+FIGSIZE_WIDE = (11.0, 4.2)
+
+# The calculator's allowed ranges: wide enough for every published model we know of (Llama-3.1-405B
+# has 126 layers, 128k context), small enough that the plot stays readable. Sliders use the same ranges.
+CALCULATOR_LIMITS: dict[str, tuple[int, int]] = {
+    "layers": (1, 256),
+    "batch": (1, 4096),
+    "tokens": (1, 1_048_576),
+    "kv_heads": (1, 256),
+    "head_dim": (8, 1024),
+}
+CALCULATOR_AXES = ("tokens", "batch")
+
+
+def _new_figure(figsize=FIGSIZE, ncols: int = 1):
+    """A figure that pyplot does not keep: we return it, and the notebook displays it once."""
+    fig, axes = plt.subplots(1, ncols, figsize=figsize, layout="constrained")
+    plt.close(fig)
+    return fig, axes
+
+
+def _si(value: float) -> str:
+    """1.05e11 -> '105 G', 3.35e12 -> '3.35 T': three significant digits and a decimal prefix."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
+def _check_range(func: str, field: str, value) -> None:
+    lo, hi = CALCULATOR_LIMITS[field]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ValueError(f"{func}: {field} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+# ---- chapter 02: time per token, the roofline, request timelines ----------------------------------
+
+
+def render_prefill_decode_times(rows: Sequence[Mapping]) -> Figure:
+    """Milliseconds per token of prefill and decode, one line per (phase, batch).
+
+    Each row: {"phase": "prefill" | "decode", "tokens": prompt length (prefill) or context length
+    (decode), "batch": B, "ms_per_token": time of the forward / tokens it produced}.
+    """
+    if not rows:
+        raise ValueError("render_prefill_decode_times: rows is empty; measure at least one forward")
+    fig, ax = _new_figure()
+    series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for row in rows:
+        if row["phase"] not in ("prefill", "decode"):
+            raise ValueError(f"render_prefill_decode_times: phase must be 'prefill' or 'decode', "
+                             f"got {row['phase']!r}")
+        series.setdefault((row["phase"], row["batch"]), []).append((row["tokens"], row["ms_per_token"]))
+    for (phase, batch), points in sorted(series.items()):
+        x, y = zip(*sorted(points), strict=True)
+        style = "-o" if phase == "prefill" else "--s"
+        ax.plot(x, y, style, label=f"{phase}, batch {batch}", gid=f"{phase}:{batch}")
+    ax.set(xscale="log", yscale="log", xlabel="prompt length (prefill) / context length (decode), tokens",
+           ylabel="ms per token", title="Time per token: prefill shares each weight read among many tokens")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 20 rather than 2x10^1
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    prefill_lengths = {row["tokens"] for row in rows if row["phase"] == "prefill"}  # decode's are P + 1:
+    ax.set_xticks(sorted(prefill_lengths or {row["tokens"] for row in rows}))  # one tick each, not two
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def render_roofline(roofline: MachineRoofline, points: Sequence[tuple[str, float, float]]) -> Figure:
+    """A log-log roofline with measured points (label, intensity in FLOP/byte, achieved FLOP/s).
+
+    Points whose labels share their first word ("prefill ...", "decode ...") share a colour.
+    """
+    for label, intensity, flops in points:
+        if not (intensity > 0 and flops > 0):
+            raise ValueError(f"render_roofline: point {label!r} needs intensity > 0 and achieved FLOP/s > 0 "
+                             f"(a log-log plot), got intensity={intensity!r}, flops={flops!r}")
+    ridge = ridge_point(roofline)
+    xs = [p[1] for p in points] + [ridge]
+    x = np.geomspace(min(xs) / ROOFLINE_DECADES_MARGIN, max(xs) * ROOFLINE_DECADES_MARGIN, CURVE_POINTS)
+    roof = np.minimum(roofline.peak_flops, roofline.bandwidth_bytes_per_s * x)
+    fig, ax = _new_figure()
+    ax.plot(x, roof, "k-", lw=2, label="roofline: min(peak, bandwidth x intensity)", gid="roof")
+    ax.axvline(ridge, color="grey", ls=":", gid="ridge")
+    ax.text(ridge, roofline.peak_flops * LABEL_LIFT, f" ridge {ridge:.1f} FLOP/B", color="grey")
+    ax.text(x[0], roofline.bandwidth_bytes_per_s * x[0] * LABEL_LIFT, "bandwidth-bound", color="grey")
+    ax.text(x[-1], roofline.peak_flops * LABEL_LIFT, "compute-bound", ha="right", color="grey")
+    groups = list(dict.fromkeys(label.split()[0] for label, _, _ in points))
+    colours = {g: f"C{i}" for i, g in enumerate(groups)}
+    for i, (label, intensity, flops) in enumerate(points):
+        group = label.split()[0]
+        ax.scatter([intensity], [flops], color=colours[group], zorder=3, gid=f"point:{label}")
+        below = (4, -11) if i % 2 == 0 else (4, 5)  # alternate sides so neighbouring labels overlap less
+        ax.annotate(label, (intensity, flops), textcoords="offset points", xytext=below, fontsize=7)
+    for g in groups:
+        ax.scatter([], [], color=colours[g], label=g)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte moved)",
+           ylabel="FLOP/s", ylim=(min([p[2] for p in points] + [roof[0]]) / 3, roofline.peak_flops * 4),
+           title=f"Roofline ({roofline.dtype}): peak {_si(roofline.peak_flops)}FLOP/s, "
+                 f"bandwidth {_si(roofline.bandwidth_bytes_per_s)}B/s")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def render_request_timelines(step_times_s: Mapping[str, Sequence[float]]) -> Figure:
+    """One row per request: the wait for the first token (TTFT), then a dot per later token.
+
+    `step_times_s[label]` is a request's per-step times (step 0 is the prefill that gives the first
+    token), e.g. `GenerationResult.step_times_s`.
+    """
+    if not step_times_s:
+        raise ValueError("render_request_timelines: no requests given")
+    fig, ax = _new_figure(figsize=(FIGSIZE[0], 1.0 + 1.0 * len(step_times_s)))
+    for row, (label, times) in enumerate(step_times_s.items()):
+        if not times:
+            raise ValueError(f"render_request_timelines: request {label!r} has no steps")
+        arrivals = np.cumsum(times) * MS_PER_S  # when each token is ready
+        ttft, e2e = arrivals[0], arrivals[-1]
+        ax.barh(row, ttft, color="C3", alpha=0.35, gid=f"ttft:{label}")
+        ax.plot(arrivals, np.full_like(arrivals, row), "|", color="C0", ms=12, gid=f"tokens:{label}")
+        tpot = (e2e - ttft) / (len(times) - 1) if len(times) > 1 else float("nan")
+        ax.text(0, row + 0.38, f"TTFT {ttft:.0f} ms · TPOT {tpot:.1f} ms ({MS_PER_S / tpot:.0f} tokens/s "
+                f"while decoding) · {len(times)} tokens in {e2e:.0f} ms", fontsize=8, va="center")
+    ax.set_yticks(range(len(step_times_s)), list(step_times_s))
+    ax.set(xlabel="ms since the request arrived", ylim=(-0.6, len(step_times_s) - 0.1),
+           title="Shaded: waiting for the first token (TTFT). Ticks: each token as it arrives.")
+    ax.invert_yaxis()
+    return fig
+
+
+# ---- chapter 03: naive vs cached, the KV calculator, attention variants, the sliding window --------
+
+
+def render_step_time_curves(step_times_s: Mapping[str, Sequence[float]], prompt_tokens: int,
+                            include_prefill: bool = False) -> Figure:
+    """Per-step time of several generation loops as the sequence grows (chapter 01's picture, extended).
+
+    Step i >= 1 feeds the sequence of `prompt_tokens + i` tokens (step 0 is the prefill, left out
+    unless `include_prefill`: it is the same work for both loops and dwarfs the rest). Dots are the
+    measured steps, the line their running median (one slow step cannot bend it), and the legend
+    gives each loop's slope: milliseconds added per extra token of sequence.
+    """
+    if prompt_tokens < 1:
+        raise ValueError(f"render_step_time_curves: prompt_tokens must be >= 1, got {prompt_tokens}")
+    fig, ax = _new_figure()
+    first = 0 if include_prefill else 1
+    for i, (label, times) in enumerate(step_times_s.items()):
+        x = prompt_tokens + np.arange(first, len(times))
+        y = np.asarray(times[first:], dtype=float) * MS_PER_S
+        ax.plot(x, y, ".", color=f"C{i}", alpha=0.35, gid=f"steps:{label}")
+        slope = f": {step_time_slope_ms(times):+.3f} ms per extra token" if len(times) >= 3 else ""
+        ax.plot(x, running_median(y), "-", color=f"C{i}", lw=2, label=f"{label}{slope}",
+                gid=f"median:{label}")
+    ax.set(xlabel="sequence length at this step (tokens)", ylabel="ms per step", ylim=(0, None),
+           title="Per-step time as the sequence grows (dots: measured; line: running median)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+def calculator_shape(preset: str, layers: int | None = None, kv_heads: int | None = None,
+                     head_dim: int | None = None) -> ModelShape:
+    """A preset's shape with some of the formula's factors changed (what the calculator's sliders do).
+
+    The weights follow the change too (fewer KV heads: smaller k/v projections), so the picture stays
+    one consistent, if hypothetical, model.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"calculator_shape: preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    shape = PRESETS[preset]
+    changes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+    changes = {field: value for field, value in changes.items() if value is not None}
+    for field, value in changes.items():
+        _check_range("calculator_shape", field, value)
+    if not changes:
+        return shape
+    name = shape.name + " (" + ", ".join(f"{k}={v}" for k, v in changes.items()) + ")"
+    return dataclasses.replace(shape, name=name, **changes)  # ModelShape checks kv_heads divides heads
+
+
+def _kv_curve_gb(shape: ModelShape, per_token: int, batch: int, tokens: int, vs: str,
+                 x: np.ndarray) -> np.ndarray:
+    """KV GB along the x axis (tokens per sequence, or batch), a sliding window capping the tokens."""
+    window = shape.sliding_window or math.inf
+    if vs == "tokens":
+        return per_token * batch * np.minimum(x, window) / GB
+    return per_token * x * min(tokens, window) / GB
+
+
+def _fit_label(shape: ModelShape, card_gb: int, batch: int, tokens: int, vs: str,
+               weight_dtype, kv_dtype) -> str:
+    """What fits on one card after the weights and vLLM's 10% reserve (engine.memory.plan_memory)."""
+    try:
+        plan = plan_memory(shape, card_gb * GB, weight_dtype, kv_dtype)
+    except ValueError:
+        return "weights do not fit"
+    if vs == "batch":
+        n = max_concurrent_sequences(shape, card_gb * GB, tokens, weight_dtype, kv_dtype)
+        return f"{n} sequences fit"
+    per_sequence = plan.kv_budget_bytes // (plan.kv_bytes_per_token * batch)
+    if per_sequence >= (shape.sliding_window or math.inf):
+        return "any length fits (window)"
+    return f"{per_sequence:,} tokens per sequence fit"
+
+
+def _x_axis(shape: ModelShape, weights_gb: float, per_token: int, batch: int, tokens: int,
+            vs: str) -> np.ndarray:
+    """From 0 (or batch 1) to past the point where the largest card fills (or 2x the chosen value)."""
+    chosen = tokens if vs == "tokens" else batch
+    per_unit_gb = _kv_curve_gb(shape, per_token, batch, tokens, vs, np.array([1.0]))[0]
+    room_gb = max(GPU_MEMORY_GB.values()) - weights_gb
+    fills_at = room_gb / per_unit_gb if room_gb > 0 and per_unit_gb > 0 else 0
+    if vs == "tokens" and shape.sliding_window and fills_at > shape.sliding_window:
+        fills_at = 0  # a window caps the cache: it never fills the card
+    end = max(2 * chosen, CROSSING_MARGIN * fills_at)
+    end = min(end, CALCULATOR_LIMITS[vs][1])
+    return np.linspace(0 if vs == "tokens" else 1, end, CURVE_POINTS)
+
+
+def render_kv_calculator(shape: ModelShape | str = "Llama-3-8B", batch: int = 1, tokens: int = 8192,
+                         kv_dtype="fp16", weight_dtype="fp16", vs: str = "tokens") -> Figure:
+    """Weights plus KV cache, M_KV = 2·L·B·T·Hkv·D·b, against tokens per sequence or batch size.
+
+    The weights are the grey band at the bottom, the KV cache is stacked on top; horizontal lines
+    are 24, 80 and 141 GB cards, and the legend says what fits on each after the weights and a 10%
+    reserve. The dot marks (batch, tokens). `shape` is a ModelShape or a preset name.
+    """
+    if isinstance(shape, str):
+        shape = calculator_shape(shape)
+    _check_range("render_kv_calculator", "batch", batch)
+    _check_range("render_kv_calculator", "tokens", tokens)
+    if vs not in CALCULATOR_AXES:
+        raise ValueError(f"render_kv_calculator: vs must be one of {CALCULATOR_AXES}, got {vs!r}")
+    b = dtype_bytes(kv_dtype)
+    per_token = kv_bytes_per_token(shape, b)
+    weights_gb = weight_bytes(shape, weight_dtype) / GB
+    x = _x_axis(shape, weights_gb, per_token, batch, tokens, vs)
+    kv_gb = _kv_curve_gb(shape, per_token, batch, tokens, vs, x)
+
+    fig, ax = _new_figure()
+    ax.fill_between(x, 0, weights_gb, color="grey", alpha=0.4, label=f"weights ({weight_dtype})",
+                    gid="weights")
+    ax.fill_between(x, weights_gb, weights_gb + kv_gb, color="C0", alpha=0.4, label=f"KV cache ({kv_dtype})")
+    ax.plot(x, weights_gb + kv_gb, "C0-", gid="total")
+    for i, (card, gb) in enumerate(GPU_MEMORY_GB.items()):
+        fits = _fit_label(shape, gb, batch, tokens, vs, weight_dtype, kv_dtype)
+        ax.axhline(gb, color=f"C{i + 1}", ls="--", label=f"{card}: {fits}", gid=f"gpu:{gb}")
+    chosen = tokens if vs == "tokens" else batch
+    chosen_kv = _kv_curve_gb(shape, per_token, batch, tokens, vs, np.array([float(chosen)]))[0]
+    ax.plot([chosen], [weights_gb + chosen_kv], "ko", gid="chosen")
+    ax.annotate(f"B={batch}, T={tokens:,}: {weights_gb:.1f} + {chosen_kv:.1f} GB",
+                (chosen, weights_gb + chosen_kv), textcoords="offset points", xytext=(6, 6))
+    factors = f"2·{shape.layers}·B·T·{shape.kv_heads}·{shape.head_dim}·{b:g} B"
+    window = f", window {shape.sliding_window} tokens" if shape.sliding_window else ""
+    ax.set(xlabel="tokens per sequence (T)" if vs == "tokens" else "sequences (B)", ylabel="GB (10^9 bytes)",
+           ylim=(0, max(max(GPU_MEMORY_GB.values()), weights_gb + kv_gb.max()) * 1.1),
+           title=f"{shape.name}: M_KV = {factors}{window}"
+                 + (f" at B={batch}" if vs == "tokens" else f" at T={tokens:,}"))
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+def attention_variants(base: str = "Llama-3-8B", mha: str = "Llama-2-7B") -> list[tuple[str, ModelShape]]:
+    """Real MHA and GQA models of about the same size, plus the GQA one redone as MQA (hypothetical)."""
+    m, g = PRESETS[mha], PRESETS[base]
+    mqa = dataclasses.replace(g, name=f"{g.name} as MQA", kv_heads=1)
+    return [(f"{m.name}\nMHA, {m.kv_heads} KV heads", m),
+            (f"{g.name}\nGQA, {g.kv_heads} KV heads", g),
+            (f"{mqa.name}\n1 KV head (hypothetical)", mqa)]
+
+
+def render_attention_variants(variants: Sequence[tuple[str, ModelShape]] | None = None,
+                              tokens: int = 8192, batch: int = 1, kv_dtype="fp16",
+                              card_gb: int = 80) -> Figure:
+    """Left: KV GB of `batch` sequences of `tokens` tokens. Right: how many fit on a `card_gb` card."""
+    variants = attention_variants() if variants is None else variants
+    _check_range("render_attention_variants", "tokens", tokens)
+    _check_range("render_attention_variants", "batch", batch)
+    labels = [label for label, _ in variants]
+    kv_gb = [kv_bytes_per_token(s, kv_dtype) * batch * tokens / GB for _, s in variants]
+    fits = [max_concurrent_sequences(s, card_gb * GB, tokens, kv_dtype, kv_dtype) for _, s in variants]
+    fig, (left, right) = _new_figure(FIGSIZE_WIDE, ncols=2)
+    for ax, values, fmt in ((left, kv_gb, "{:.2f} GB"), (right, fits, "{:,}")):
+        bars = ax.bar(labels, values, color=["C3", "C0", "C2"][: len(values)])
+        for bar, value, (_, s) in zip(bars, values, variants, strict=True):
+            bar.set_gid(f"{'kv' if ax is left else 'fits'}:{s.name}")
+            ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, value), ha="center",
+                        va="bottom")
+        ax.tick_params(axis="x", labelsize=8)
+    left.set(ylabel="GB", title=f"KV cache of {batch} x {tokens:,}-token sequence(s), {kv_dtype}")
+    right.set(ylabel="sequences", title=f"{tokens:,}-token sequences that fit on {card_gb} GB\n"
+              f"(weights also {kv_dtype}, {ACTIVATION_RESERVE_FRACTION:.0%} reserve)")
+    return fig
+
+
+def render_window_recall(accuracy: Mapping[str, Mapping[int, float]], windows: Sequence[int] = ()) -> Figure:
+    """Recall accuracy against prompt length, one line per cache; dotted lines mark the windows.
+
+    `accuracy[label]` maps a prompt length in tokens to the fraction of questions answered right.
+    """
+    fig, ax = _new_figure()
+    for label, by_length in accuracy.items():
+        x = sorted(by_length)
+        ax.plot(x, [by_length[n] for n in x], "-o", label=label, gid=f"recall:{label}")
+    for i, window in enumerate(windows):
+        ax.axvline(window, color="grey", ls=":", gid=f"window:{window}")
+        ax.text(window, 1.02 - 0.06 * i, f" W={window}", color="grey", fontsize=8)
+    ax.set(xlabel="prompt length (tokens)", ylabel="recall accuracy", ylim=(-0.05, 1.1),
+           title="Recall accuracy by prompt length: facts older than the window are gone")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+# ---- the widget: a thin wrapper around render_kv_calculator ---------------------------------------
+
+SLIDER_BATCH_MAX = 512  # a slider is for exploring; call render_kv_calculator for bigger numbers
+SLIDER_TOKENS_MAX = 131_072  # 128k, the longest context of the presets' families
+SLIDER_TOKENS_STEP = 256
+
+
+def kv_calculator_widget(preset: str = "Llama-3-8B", batch: int = 32, tokens: int = 8192):
+    """Sliders for L, B, T, Hkv, D and the dtype, plus a preset menu, over `render_kv_calculator`.
+
+    Needs ipywidgets (an ImportError otherwise: show the static figure instead). A value the formula
+    cannot take (say 3 KV heads for 32 query heads) prints a message instead of a figure.
+    """
+    import ipywidgets as w
+    from IPython.display import display
+
+    shape = calculator_shape(preset)
+    int_slider = lambda field, value, **kw: w.IntSlider(  # noqa: E731 - a tiny local factory
+        value=value, min=CALCULATOR_LIMITS[field][0], description=field, continuous_update=False, **kw)
+    controls = {
+        "preset": w.Dropdown(options=sorted(PRESETS), value=preset, description="preset"),
+        "layers": int_slider("layers", shape.layers, max=CALCULATOR_LIMITS["layers"][1]),
+        "batch": int_slider("batch", batch, max=SLIDER_BATCH_MAX),
+        "tokens": int_slider("tokens", tokens, max=SLIDER_TOKENS_MAX, step=SLIDER_TOKENS_STEP),
+        "kv_heads": int_slider("kv_heads", shape.kv_heads, max=CALCULATOR_LIMITS["kv_heads"][1]),
+        "head_dim": int_slider("head_dim", shape.head_dim, max=CALCULATOR_LIMITS["head_dim"][1]),
+        "kv_dtype": w.Dropdown(options=list(DTYPE_BYTES), value="fp16", description="KV dtype"),
+        "vs": w.ToggleButtons(options=list(CALCULATOR_AXES), value="tokens", description="x axis"),
+    }
+
+    def on_preset(change) -> None:  # a new preset resets L, Hkv and D to its published values
+        s = PRESETS[change["new"]]
+        controls["layers"].value, controls["kv_heads"].value = s.layers, s.kv_heads
+        controls["head_dim"].value = s.head_dim
+
+    controls["preset"].observe(on_preset, names="value")
+
+    def draw(preset, layers, batch, tokens, kv_heads, head_dim, kv_dtype, vs) -> None:
+        try:
+            s = calculator_shape(preset, layers, kv_heads, head_dim)
+            display(render_kv_calculator(s, batch, tokens, kv_dtype, vs=vs))
+        except ValueError as err:
+            print(f"Cannot draw this: {err}")
+
+    out = w.interactive_output(draw, controls)
+    return w.VBox([w.HBox(list(controls.values())[:4]), w.HBox(list(controls.values())[4:]), out])
