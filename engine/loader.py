@@ -39,7 +39,7 @@ def resolve_model_path(path_or_name: str | Path) -> Path:
     if not path.exists() and bundled_model_path(str(path_or_name)).exists():
         path = bundled_model_path(str(path_or_name))
     if not path.is_dir():
-        bundled = sorted(p.name for p in BUNDLED_MODELS_DIR.glob("*") if p.is_dir()) if BUNDLED_MODELS_DIR.exists() else []
+        bundled = sorted(p.name for p in BUNDLED_MODELS_DIR.glob("*") if p.is_dir())
         raise FileNotFoundError(
             f"model directory {str(path_or_name)!r} does not exist. Pass a local Hugging Face-format folder "
             f"(config.json + *.safetensors + tokenizer.json) or a bundled model name: {bundled}")

@@ -3,8 +3,9 @@
 One class covers Llama 2/3 (with Llama 3.1's `llama3` RoPE scaling), Mistral (sliding window),
 Qwen2 (bias on q/k/v) and SmolLM (tied embeddings). Read it top to bottom:
 
-    token ids ─► embed ─► [ RMSNorm ─► attention ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] × L ─► RMSNorm ─► lm_head ─► logits
+    token ids ─► embed ─► [ RMSNorm ─► attention ─► + ─► RMSNorm ─► SwiGLU MLP ─► + ] × L ─► ...
                             └────── residual ───────┘    └────────── residual ──────────┘
+    ... ─► RMSNorm ─► lm_head ─► logits
 
 Shape notation, used in every comment of the engine:
     B  batch (sequences)          T  tokens per sequence in this forward

@@ -33,8 +33,8 @@ from engine.loader import hf_weight_names
 from engine.model import LlamaModel
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
-TOKENIZER_TRAINING_DOCS = 20_000
-FACT_PATTERN = re.compile(r"(\w+)=(\d+);")  # one `key=value;` fact of a recall prompt  # enough text for BPE merges to settle on a ~1k vocabulary
+TOKENIZER_TRAINING_DOCS = 20_000  # enough text for BPE merges to settle on a ~1k vocabulary
+FACT_PATTERN = re.compile(r"(\w+)=(\d+);")  # one `key=value;` fact of a recall prompt
 
 
 @dataclass
@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": []}
     start = time.perf_counter()
     log["resumed_from_step"] = start_step
-    bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step)),
+    bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step), strict=False),
                initial=start_step, total=cfg.steps, disable=not progress, desc="training tinylab")
     for step, (ids, weights) in bar:
         for group in opt.param_groups:
