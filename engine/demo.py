@@ -43,6 +43,11 @@ def task_demo(model_name: str = "tinylab") -> int:
         print(f"    output: {out.text!r}")
         if task == "story":
             verdict = "(free text: judged by perplexity in `python -m engine eval`)"
+        elif task == "refuse":
+            ok = _is_correct(ex, out.text)
+            correct += ok
+            should = "should refuse" if ex.meta["forbidden"] else "should answer"
+            verdict = f"{'correct' if ok else 'WRONG'} ({should}: {'refused' if tasks.is_refusal(out.text) else 'answered'})"
         else:
             ok = _is_correct(ex, out.text)
             correct += ok
@@ -53,5 +58,8 @@ def task_demo(model_name: str = "tinylab") -> int:
 
 
 def run_demo(args) -> None:
+    from engine.demo_engine import step_through_demo
+
     correct = task_demo(args.model)
     print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct.\n")
+    step_through_demo(args.model, args.steps, pause=not args.no_pause)

@@ -1,0 +1,161 @@
+"""Static vs continuous batching on one workload: the same requests, arriving at the same moments.
+
+The workload: requests with lognormal prompt and output lengths (engine/workloads.py, scaled to the
+bundled model's 512-token context), arriving as a Poisson process (exponential gaps) at OVERLOAD
+times the rate this machine can serve them (measured first, with a short continuous run), so a
+queue builds up on any machine and the scheduler's choices decide the throughput. Every output has
+exactly its sampled length (greedy, EOS ignored), so both policies do the same work:
+
+    static       a batch of up to MAX_NUM_SEQS runs until its LAST request finishes; then the next batch
+    continuous   a finished request's seat is refilled at the next step (FCFS)
+    continuous + chunked prefill   the same, with a token budget per step (long prompts in chunks)
+
+We replay the arrivals on the real clock (a request that is due is added with its due time as its
+arrival time, so TTFT counts its wait in the queue), step the engine, and read the metrics from
+its Trace (engine.viz.engine.trace_metrics). Speeds are reported, never asserted.
+
+    python benchmarks/batching.py            # 48 requests, two repeats per policy
+    python benchmarks/batching.py --quick    # 16 requests, one repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+import torch  # noqa: E402
+
+from benchmarks._common import markdown_table, write_results  # noqa: E402
+from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.trace import Trace  # noqa: E402
+from engine.viz.engine import trace_metrics  # noqa: E402
+from engine.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
+
+MODEL = "tinylab"
+CONTEXT = 512  # tinylab's max_position_embeddings
+# Chat-like skew, scaled to a 512-token context: median prompt 48 tokens, median answer 24, long tails.
+LENGTHS = LengthDistribution(prompt_median=48.0, prompt_sigma=0.8, output_median=24.0, output_sigma=0.8)
+MAX_NUM_SEQS = 8  # seats per batch, the same for both policies
+CHUNK_BUDGET = 128  # tokens per step for the chunked-prefill variant
+OVERLOAD = 3.0  # arrivals come this many times faster than the engine serves them: a queue always forms
+CALIBRATION_REQUESTS = 8  # served at once by the continuous engine to measure this machine's request rate
+FIRST_TOKEN_ID = 3  # prompts are random ids from here up: 0-2 are pad / bos / eos
+SEED = 0
+FULL = dict(requests=48, repeats=2)
+QUICK = dict(requests=16, repeats=1)
+POLICIES = {
+    "static": dict(policy="static"),
+    "continuous": dict(policy="continuous"),
+    "continuous + chunked prefill": dict(policy="continuous", enable_chunked_prefill=True,
+                                         max_num_batched_tokens=CHUNK_BUDGET),
+}
+
+
+def workload(n: int, vocab: int, rate_per_s: float) -> list[tuple[float, list[int], SamplingParams]]:
+    """(arrival offset in seconds, prompt ids, params) for n requests: Poisson arrivals, lognormal lengths.
+    The same seed gives the same requests and the same gaps (scaled by 1 / rate_per_s)."""
+    rng = random.Random(SEED)
+    t, out = 0.0, []
+    for r in sample_request_lengths(n, SEED, max_context=CONTEXT, distribution=LENGTHS):
+        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(r.prompt_len)]
+        out.append((t, prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)))
+        t += rng.expovariate(1.0) / rate_per_s
+    return out
+
+
+def served_rate_per_s(model, tokenizer, vocab: int) -> float:
+    """Requests per second this machine serves with continuous batching (all of a few at once)."""
+    requests = [(0.0, prompt, params) for _, prompt, params in workload(CALIBRATION_REQUESTS, vocab, 1.0)]
+    run_policy("continuous", requests, model, tokenizer)  # warm-up: first-call costs hit nobody's numbers
+    start = time.perf_counter()
+    run_policy("continuous", requests, model, tokenizer)
+    return CALIBRATION_REQUESTS / (time.perf_counter() - start)
+
+
+def replay(engine: LLMEngine, requests: list[tuple[float, list[int], SamplingParams]]) -> Trace:
+    """Add each request when it is due (on the real clock), stepping the engine in between."""
+    pending, t0 = deque(requests), time.time()
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= time.time() - t0:
+            offset, prompt, params = pending.popleft()
+            engine.add_request(prompt, params, arrival_time=t0 + offset)
+        if engine.has_unfinished_requests():
+            engine.step()
+        elif pending:  # idle: nothing to do until the next arrival
+            time.sleep(max(0.0, pending[0][0] - (time.time() - t0)))
+    return engine.trace
+
+
+def run_policy(name: str, requests, model, tokenizer) -> dict:
+    engine = LLMEngine(model, tokenizer, engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **POLICIES[name]))
+    cpu = time.process_time()
+    m = trace_metrics(replay(engine, requests))
+    cpu = time.process_time() - cpu
+    return {"policy": name, "steps": m["steps"], "output_tokens": m["output_tokens"],
+            "tokens_per_step": round(m["tokens_per_step"], 2),
+            "throughput_tok_s": round(m["throughput_tok_s"], 1),
+            "ttft_p50_s": round(m["ttft_p50_s"], 3), "ttft_p99_s": round(m["ttft_p99_s"], 3),
+            "tpot_mean_ms": round(1e3 * m["tpot_mean_s"], 1), "duration_s": round(m["duration_s"], 2),
+            "cpu_s": round(cpu, 2)}
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The median of each number over repeats (the name from the first row)."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in rows)
+    return out
+
+
+def main(argv=None) -> None:
+    from engine.loader import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests, one repeat (a smoke run)")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    model, tokenizer = load_model(MODEL)
+    vocab = model.config.vocab_size
+    rate = OVERLOAD * served_rate_per_s(model, tokenizer, vocab)
+    print(f"arrivals: Poisson, {rate:.1f} requests/s ({OVERLOAD:g}x what this machine serves)", flush=True)
+    requests = workload(cfg["requests"], vocab, rate)
+    runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+    for _ in range(cfg["repeats"]):  # interleaved, so a slow patch of a shared machine hits every policy
+        for name in POLICIES:
+            runs[name].append(run_policy(name, requests, model, tokenizer))
+            print(markdown_table(runs[name][-1:]).splitlines()[-1], flush=True)
+    rows = [median_row(r) for r in runs.values()]
+    static = rows[0]
+    for row in rows:
+        row["x_throughput_vs_static"] = round(row["throughput_tok_s"] / static["throughput_tok_s"], 2)
+        row["x_cpu_time_vs_static"] = round(static["cpu_s"] / row["cpu_s"], 2)  # same tokens, less CPU
+    print("\n" + markdown_table(rows))
+    settings = dict(quick=args.quick, model=MODEL, **cfg, max_num_seqs=MAX_NUM_SEQS, overload=OVERLOAD,
+                    rate_per_s=round(rate, 2),
+                    prompt_median=LENGTHS.prompt_median, output_median=LENGTHS.output_median,
+                    sigma=LENGTHS.prompt_sigma, chunk_budget=CHUNK_BUDGET,
+                    torch_threads=torch.get_num_threads())
+    write_results("batching", rows, settings, notes=_notes())
+
+
+def _notes() -> str:
+    return ("Static vs continuous batching on the same Poisson arrivals (OVERLOAD times faster than the "
+            "engine serves, measured first, so a queue forms), lognormal prompt/output lengths, greedy "
+            "with EOS ignored (every request produces its sampled length). Medians over the repeats. "
+            "tokens_per_step does not depend on the machine's speed; throughput and TTFT do; cpu_s is this "
+            "process's CPU time for the run (on a shared machine, wall time also counts the time other "
+            "processes held the cores); x_cpu_time_vs_static = static's CPU time / this policy's. "
+            "Target: continuous >= 2x static throughput (reported, not asserted).")
+
+
+if __name__ == "__main__":
+    main()
