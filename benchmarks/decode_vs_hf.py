@@ -1,0 +1,210 @@
+"""Batch-1 decode: servelab's readable cached path, its FastDecoder, and `transformers.generate`.
+
+One process, same weights, same prompt, greedy, a fixed number of new tokens (EOS ignored):
+
+    (a) servelab-cached   engine.kv_cache.generate_cached  (the readable model + KVCache backend)
+    (b) servelab-fast     engine.fast_decode.FastDecoder.generate
+    (c) transformers      AutoModelForCausalLM.generate(use_cache=True, do_sample=False)
+
+for the bundled tinylab and for a random-weight model with SmolLM2-135M's shape (built with
+transformers' LlamaConfig, saved to a temp dir and loaded by both; nothing is downloaded), in fp32
+and bf16. In the same run we calibrate the machine's memory bandwidth (engine.roofline.calibrate)
+and turn it into the batch-1 decode ceiling: bandwidth / (weight + KV bytes read per token).
+
+How we time, identically for all three:
+    TTFT          = median wall time of a call that generates 1 token (prefill + first sample)
+    decode tok/s  = (N - 1) / (median wall time of an N-token call - TTFT)
+Runs are interleaved (a, b, c, a, b, c, ...) after one warm-up each, so a slow patch of a shared
+machine hits every engine alike. Speeds are reported, never asserted.
+
+    python benchmarks/decode_vs_hf.py            # full run, a few minutes on 2 cores
+    python benchmarks/decode_vs_hf.py --quick    # fewer tokens and repeats, well under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+
+import torch  # noqa: E402
+
+from benchmarks._common import markdown_table, write_results  # noqa: E402
+from engine import load_model  # noqa: E402
+from engine.fast_decode import FastDecoder  # noqa: E402
+from engine.kv_cache import generate_cached  # noqa: E402
+from engine.loader import bundled_model_path  # noqa: E402
+from engine.memory import ModelShape, dtype_bytes  # noqa: E402
+from engine.roofline import MachineRoofline, calibrate, decode_roofline_tokens_per_s  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json), random weights.
+SMOLLM2_135M_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                          bos_token_id=1, eos_token_id=2)
+PROMPT_TOKENS = 64  # long enough that TTFT is a real prefill, short enough to keep decode the story
+FULL = dict(new_tokens=64, repeats=5)
+QUICK = dict(new_tokens=16, repeats=2)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SEED = 0
+
+
+def build_smollm2_shaped(folder: Path) -> Path:
+    """A random-weight LlamaForCausalLM with SmolLM2-135M's shape, saved as a HF checkpoint (fp32)."""
+    import transformers
+
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(**SMOLLM2_135M_SHAPE)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(3, vocab, (PROMPT_TOKENS,), generator=g).tolist()  # skip pad/bos/eos ids
+
+
+def servelab_runner(model, fast: FastDecoder | None):
+    """fn(ids, n) -> generated token ids, through generate_cached (fast=None) or the FastDecoder."""
+    def run(ids: list[int], n: int) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        result = fast.generate(ids, params) if fast else generate_cached(model, None, ids, params)
+        return result.token_ids
+    return run
+
+
+def hf_runner(hf):
+    """fn(ids, n) -> generated token ids through transformers' generate, greedy, EOS switched off."""
+    gen_cfg = hf.generation_config
+    gen_cfg.eos_token_id, gen_cfg.do_sample = None, False  # never stop early, never sample
+
+    def run(ids: list[int], n: int) -> list[int]:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gen_cfg,
+                              max_new_tokens=n, min_new_tokens=n, use_cache=True, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+    return run
+
+
+def time_engines(runners: dict, ids: list[int], n: int, repeats: int) -> dict:
+    """Interleaved timing: median TTFT and decode tok/s per engine, and each engine's N tokens."""
+    walls = {name: {1: [], n: []} for name in runners}
+    tokens = {name: run(ids, n) for name, run in runners.items()}  # warm-up, and the output to compare
+    for name, run in runners.items():
+        run(ids, 1)
+    for _ in range(repeats):
+        for name, run in runners.items():
+            for k in (1, n):
+                start = time.perf_counter()
+                got = run(ids, k)
+                walls[name][k].append(time.perf_counter() - start)
+                assert len(got) == k, f"{name} generated {len(got)} tokens, asked for {k}"
+    results = {}
+    for name in runners:
+        ttft, total = statistics.median(walls[name][1]), statistics.median(walls[name][n])
+        results[name] = dict(ttft_ms=1e3 * ttft, decode_tok_s=(n - 1) / (total - ttft), tokens=tokens[name])
+    return results
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share (greedy in low precision may diverge at a near-tie)."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def bench_model(label: str, folder: Path, shape: ModelShape, roofline: MachineRoofline, cfg: dict) -> list[dict]:
+    import transformers
+
+    rows = []
+    for dname, dtype in DTYPES.items():
+        model, _ = load_model(folder, dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        runners = {"servelab-cached": servelab_runner(model, None),
+                   "servelab-fast": servelab_runner(model, FastDecoder(model)),
+                   "transformers": hf_runner(hf)}
+        ids = prompt_ids(shape.vocab)
+        res = time_engines(runners, ids, cfg["new_tokens"], cfg["repeats"])
+        context = PROMPT_TOKENS + cfg["new_tokens"] // 2  # the mean context a decode step reads
+        roof = decode_roofline_tokens_per_s(shape, roofline, dtype_bytes(dtype), context)
+        hf_speed, ref_tokens = res["transformers"]["decode_tok_s"], res["servelab-cached"]["tokens"]
+        for name, r in res.items():
+            rows.append({"model": label, "dtype": dname, "engine": name,
+                         "ttft_ms": round(r["ttft_ms"], 1), "decode_tok_s": round(r["decode_tok_s"], 2),
+                         "x_vs_transformers": round(r["decode_tok_s"] / hf_speed, 2),
+                         "roofline_tok_s": round(roof, 1), "pct_of_roofline": round(100 * r["decode_tok_s"] / roof, 1),
+                         "tokens_equal_to_cached": f"{same_prefix(r['tokens'], ref_tokens)}/{len(ref_tokens)}"})
+            print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)
+        del model, hf, runners
+        gc.collect()
+    return rows
+
+
+def busy_processes() -> dict:
+    """Who else is using the CPUs now: the background training run, and other python processes."""
+    mine, cmds = os.getpid(), []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(proc.name) != mine and cmd.split(" ")[0].endswith(("python", "python3")):
+            cmds.append(cmd)
+    return {"training_running": any("train_run.py" in c for c in cmds), "other_python_processes": len(cmds)}
+
+
+def main(argv=None) -> None:
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    transformers.logging.set_verbosity_error()
+    conditions = {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "load_avg_1min_before": round(os.getloadavg()[0], 2),
+                  **{f"{k}_before": v for k, v in busy_processes().items()}}
+    roofline = calibrate()
+    print(f"bandwidth {roofline.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+          f"fp32 matmul {roofline.peak_flops / 1e9:.0f} GFLOP/s ({roofline.description})", flush=True)
+    rows = []
+    tinylab = bundled_model_path("tinylab")
+    rows += bench_model("tinylab", tinylab, ModelShape.from_hf_config(
+        json.loads((tinylab / "config.json").read_text()), "tinylab"), roofline, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_smollm2_shaped(Path(tmp))
+        shape = ModelShape.from_hf_config(json.loads((folder / "config.json").read_text()), "SmolLM2-135M-shape")
+        rows += bench_model("SmolLM2-135M-shape (random)", folder, shape, roofline, cfg)
+    conditions.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      load_avg_1min_after=round(os.getloadavg()[0], 2),
+                      **{f"{k}_after": v for k, v in busy_processes().items()})
+    settings = dict(quick=args.quick, prompt_tokens=PROMPT_TOKENS, **cfg, batch=1, greedy=True,
+                    torch_threads=torch.get_num_threads(), transformers=transformers.__version__,
+                    bandwidth_GB_s=round(roofline.bandwidth_bytes_per_s / 1e9, 2),
+                    fp32_matmul_GFLOP_s=round(roofline.peak_flops / 1e9, 1), **conditions)
+    print("\n" + markdown_table(rows))
+    write_results("decode_vs_hf", rows, settings, notes=_notes())
+
+
+def _notes() -> str:
+    return ("Batch-1 greedy decode, same weights and prompt, one process. TTFT = median wall time of a "
+            "1-token call; decode tok/s = (N-1) / (median N-token wall time - TTFT). roofline_tok_s = measured "
+            "bandwidth / (weight + KV bytes read per token at the mean context). tokens_equal_to_cached: "
+            "leading tokens identical to servelab-cached's output (low precision may flip a near-tie). "
+            "See the conditions in Settings (load average, other processes) before comparing runs.")
+
+
+if __name__ == "__main__":
+    main()
