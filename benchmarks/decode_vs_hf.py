@@ -101,7 +101,7 @@ def time_engines(runners: dict, ids: list[int], n: int, repeats: int) -> dict:
     """Interleaved timing: median TTFT and decode tok/s per engine, and each engine's N tokens."""
     walls = {name: {1: [], n: []} for name in runners}
     tokens = {name: run(ids, n) for name, run in runners.items()}  # warm-up, and the output to compare
-    for name, run in runners.items():
+    for run in runners.values():
         run(ids, 1)
     for _ in range(repeats):
         for name, run in runners.items():

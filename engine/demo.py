@@ -47,7 +47,8 @@ def task_demo(model_name: str = "tinylab") -> int:
             ok = _is_correct(ex, out.text)
             correct += ok
             should = "should refuse" if ex.meta["forbidden"] else "should answer"
-            verdict = f"{'correct' if ok else 'WRONG'} ({should}: {'refused' if tasks.is_refusal(out.text) else 'answered'})"
+            did = "refused" if tasks.is_refusal(out.text) else "answered"
+            verdict = f"{'correct' if ok else 'WRONG'} ({should}: {did})"
         else:
             ok = _is_correct(ex, out.text)
             correct += ok

@@ -285,7 +285,7 @@ class FastDecoder:
         mask = self._mask(T, start + T)  # None for a plain decode step
         x = self.embed[ids]  # [T, E]
         with onednn(enabled=T > 1):  # one-row matmuls are faster without it (see `onednn`)
-            for layer, kv in zip(self.layers, cache.kv):
+            for layer, kv in zip(self.layers, cache.kv, strict=False):
                 x = self._attention(x, layer, kv, start, rot, mask)
                 x = self._mlp(x, layer)
             h = rms_norm(x[-1:], self.norm, self.eps)  # [1, E]: only the last position

@@ -3,6 +3,7 @@ naive loop, and logits close to the reference model's at every prefill and decod
 
 import pytest
 import torch
+from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 
 from engine import load_model
 from engine.config import ModelConfig
@@ -10,7 +11,6 @@ from engine.fast_decode import FastDecoder
 from engine.model import LlamaModel, apply_rope
 from engine.naive import full_logits, generate_naive
 from engine.sampling import SamplingParams
-from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
