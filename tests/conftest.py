@@ -16,6 +16,15 @@ os.environ.setdefault("SERVELAB_FAST", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # so tests can import their helpers (hf_oracle, ...)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tiny matmuls run faster on one thread, and two threads per worker oversubscribe a 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     no_nvcc = pytest.mark.skip(reason="needs the CUDA compiler nvcc on PATH")

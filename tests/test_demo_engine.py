@@ -15,12 +15,6 @@ from engine.sampling import SamplingParams
 DEMO_STEPS = 12  # the bundled model's demo preempts at step 8; 12 steps show it and stay quick
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _engine(**options) -> LLMEngine:

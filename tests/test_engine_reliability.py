@@ -3,7 +3,6 @@ a block, and never change the tokens of the requests that were not aborted."""
 
 import functools
 
-import pytest
 import torch
 from engine_fixtures import VOCAB, random_model
 from hypothesis import HealthCheck, event, given, settings
@@ -19,12 +18,6 @@ MAX_PROMPT, MAX_OUT = 24, 12
 MIN_BLOCKS = -(-(MAX_PROMPT + MAX_OUT) // BLOCK_SIZE)  # the largest request must fit alone
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 MODEL = random_model(seed=5)

@@ -5,7 +5,6 @@ import json
 import warnings
 
 import pytest
-import torch
 from engine_fixtures import CONTEXT, mixed_workload, naive_outputs, random_model, run_engine
 
 from engine.llm import LLM
@@ -19,13 +18,6 @@ NUM_PROMPTS = 32
 TINY_POOL = dict(num_blocks=24, block_size=4)  # the longest request (60 + 24 tokens) just fits alone
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is faster, and the machine's other cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ the queues and the block pool of the step asked for; the numbers behind them are
 import math
 
 import pytest
-import torch
 from engine_fixtures import random_model
 from matplotlib.figure import Figure
 
@@ -38,12 +37,6 @@ NUM_REQUESTS = 5
 POOL = dict(num_blocks=12, block_size=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _run(mode: str) -> Trace:
