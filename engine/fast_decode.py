@@ -1,41 +1,56 @@
 """A fast batch-1 decode path: the same model, re-laid out for speed, as a separate backend.
 
 `engine/model.py` is written to be read: one `nn.Module` per idea, RoPE as the paper writes it,
-attention through a pluggable backend, `nn.Linear` everywhere. That costs speed, and at batch 1
-decode speed is all about one thing: streaming every weight from memory once per token
-(chapter 02's roofline; `engine.roofline.decode_roofline_tokens_per_s` is the ceiling). So we keep
-that file readable and put the speed here, in a second implementation of the *same function*
-(tests/test_fast_decode.py checks its greedy tokens against `generate_naive` and its logits
-against the reference model at every step).
+attention through a pluggable backend, `nn.Linear` everywhere. At batch 1, decode speed is about
+one thing: streaming every weight from memory once per token (chapter 02's roofline;
+`engine.roofline.decode_roofline_tokens_per_s` is the ceiling), and everything else (small ops,
+Python, a slow matmul kernel) is time the memory bus sits idle. So we keep that file readable and
+put the speed here, in a second implementation of the *same function*: tests/test_fast_decode.py
+checks its greedy tokens against `generate_naive` and its logits against the reference model at
+every step, in fp32, bf16 and fp16.
 
-What each trick buys (batch-1 decode of a SmolLM2-135M-shaped model on a 2-core AMD EPYC;
-benchmarks/decode_vs_hf.py measures them all in one run, results in
-benchmarks/results/decode_vs_hf.md):
+What each trick buys. One decode step of a SmolLM2-135M-shaped model (30 layers, 540 MB of fp32
+weights), context ~100, on a 2-core AMD EPYC (Zen 5) with torch 2.13; median of 35 steps (runs on
+a quiet machine vary by ~10%):
 
-1. Weights stored as (K, N) = (in, out), contiguous, and multiplied as `x @ Wt`.
-   `nn.Linear` keeps (N, K) and computes `x @ W.T`; for one row of x, torch's fp32 GEMV over an
-   (N, K) weight reached only 8-10 GB/s here, while the (K, N) layout streams the weight row by
-   row: about 1.25x faster over the whole model and about 2x for the 49152 x 576 LM head.
-   The tied LM head therefore gets its own transposed copy (V x E more weight memory).
-2. Fused projections: one [E, (H + 2 Hkv) D] matrix for q, k, v and one [E, 2F] for gate and up.
-   One bigger GEMV instead of three (or two) small ones: fewer calls, longer streams.
-3. Residual adds fused into the matmul: `torch.addmm(x, a, Wo)` is `x + a @ Wo` in one call.
-4. RoPE as one matrix: rotating pairs (i, i + D/2) by angle θ_i is a linear map, so for a
-   position p we build the [D, D] matrix R_p once per step (from cos/sin tables precomputed
-   for every position) and rotate q and k of every head of every layer with one matmul each
-   layer, instead of the five element-wise ops of `apply_rope`.
-5. A preallocated KV cache laid out [L, 2, Hkv, capacity, D], written in place at slot `pos`:
-   each KV head's keys are contiguous rows, so attention is two batched matmuls over views.
-6. Attention for one query as plain matmul -> softmax -> matmul, GQA by viewing the H query
-   heads as [Hkv, group] (no `repeat_interleave` copy of K and V). bf16
-   `scaled_dot_product_attention` with a single query was ~5x slower than this here.
-7. Minimal Python per layer (about a dozen torch calls, no module hooks, no backend objects,
-   no per-layer dtype checks) and `torch.inference_mode`.
+                                            fp32 ms   bf16 ms
+    readable model + KVCache backend          41.6      21.4
+    FastDecoder, all tricks                   17.0      10.8
+      ... with weights as (N, K) views        37.5        -     (trick 1; bf16's default)
+      ... (K, N) but in 1 column block        30.5     178.6    (trick 1)
+      ... with oneDNN on while decoding       20.2      16.1    (trick 2)
 
-Why a separate backend and not an edit of model.py: every trick above makes the model harder to
-read (fused matrices hide which weight is which; a rotation matrix hides what RoPE does), and the
-reference is what the chapters teach and what the oracle tests compare with `transformers`.
-A fast path earns its place only by being *checked against* the readable one.
+1. The weight layout that streams fastest, per dtype (table at KN_LAYOUT_IS_FASTER). In fp32,
+   MKL's one-row GEMV over nn.Linear's (N, K) weight read only ~16 GB/s; a (K, N) copy read ~25;
+   and since that GEMV runs on one core, which cannot pull the whole memory bandwidth, we cut the
+   (K, N) copy into one column block per core and multiply all blocks with one `torch.bmm`, each
+   core streaming its own block: ~34-39 GB/s. In bf16/fp16 the opposite holds: torch's own GEMV
+   wants the (N, K) layout (36-43 GB/s) and already uses both cores; a (K, N) bf16 copy falls to
+   1-3 GB/s. (A (K, N) copy of a tied LM head costs V x E more weight memory.)
+2. oneDNN off while decoding (`onednn`): its one-row bf16 matmuls streamed 12-23 GB/s against
+   28-43 for torch's own GEMV; it is switched back on for prefill, where its GEMM is 6x faster.
+3. Fused projections: one [E, (H + 2 Hkv) D] matrix for q, k, v and one [E, 2F] for gate|up.
+   Over 30 layers these five matmuls took 4.4 -> 3.7 ms in bf16, 9.6 -> 9.3 ms in fp32.
+4. Residual adds and biases fused into the matmul (`addmm`/`baddbmm`: x + a @ W in one call).
+5. RoPE as one matrix: rotating pairs (i, i + D/2) by angle θ_i is a linear map, so once per
+   step we build R [D, D] = diag(cos) + S diag(sin) from cos/sin tables precomputed for every
+   position, and rotate q and k of all heads with one matmul per layer (6 µs, against 9 µs for
+   the element-wise `apply_rope`).
+6. Attention for one query as matmul -> softmax -> matmul in fp32, GQA by viewing the H query
+   heads as [Hkv, group] (no `repeat_interleave` copy of K and V): ~20 µs per layer, where bf16
+   `scaled_dot_product_attention` with one query took 50-65 µs. fp32 attention (and RoPE) is
+   also more accurate: on tinylab in bf16, against the fp32 model, the logit error is mean 0.014,
+   worst 0.21 on this path and 0.020 / 0.28 on the readable one (see ATTENTION_DTYPE for the cost).
+7. A preallocated KV cache [L, 2, Hkv, capacity, D] written in place, so each KV head's keys are
+   contiguous rows; `F.rms_norm` (8 µs, against 11 µs for RMSNorm's ops written out); about 20
+   torch calls per layer, no modules, hooks or backend objects; `torch.inference_mode`.
+
+Why a separate backend and not an edit of model.py: every trick above makes a model harder to
+read (fused matrices hide which weight is which, column blocks hide the matrix, a rotation matrix
+hides what RoPE does), and the reference is what the chapters teach and what the oracle tests
+compare with `transformers`. A fast path earns its place only by being *checked against* the
+readable one. The tricks that win depend on the machine and the torch build (the tables here are
+from one CPU); on a GPU the weights stay as (N, K) views.
 
 Layout of the fast cache (one tensor for all layers; slot t holds position t):
 
@@ -43,6 +58,7 @@ Layout of the fast cache (one tensor for all layers; slot t holds position t):
     kv[l, 1] : values [Hkv, capacity, D]
 
 Works in fp32, bf16 and fp16 (whatever dtype the model was loaded in), on CPU or a GPU.
+benchmarks/decode_vs_hf.py compares it with the readable path and `transformers.generate`.
 """
 
 from __future__ import annotations
@@ -71,15 +87,12 @@ ATTENTION_DTYPE = torch.float32
 # How to store a weight for `x @ W` with one row x (trick 1), per dtype. Measured on a 2-core AMD
 # EPYC (Zen 5; torch 2.13 CPU build: MKL for fp32, oneDNN or torch's own BLAS for bf16/fp16),
 # 30 distinct SmolLM2-135M-sized weights so they stream from DRAM; GB/s of weight read:
-#                        (N,K) view   (K,N) copy   (K,N) in 2 column blocks
-#   fp32  qkv 576x960        16           25               34
-#         gate|up 576x3072   16           23               34
-#         LM head 576x49152  16           26               39
-#   bf16  qkv                36*          17               17
-#         LM head            43*          12               14       (* with oneDNN off, see `onednn`)
-# fp32: MKL's one-row GEMV runs on one core, which cannot pull the whole memory bandwidth; stacking
-# the weight's column halves as a batch of 2 matrices lets `torch.bmm` give each core one half.
-# bf16/fp16: torch's own GEMV already uses both cores, and wants nn.Linear's (N, K) layout.
+#                            (N,K) view   (K,N) copy   (K,N) in 2 column blocks
+#   fp32  qkv 576x960            16           25             34
+#         gate|up 576x3072       16           23             34
+#         LM head 576x49152      16           26             39
+#   bf16  qkv                    28-36*       3* / 17        - / 17
+#         LM head                32-43*       1* / 12        - / 14     (* oneDNN off, see `onednn`)
 # On a GPU we keep (N, K) views: cuBLAS streams both layouts at full speed.
 KN_LAYOUT_IS_FASTER = {torch.float32: True, torch.bfloat16: False, torch.float16: False}
 
@@ -88,22 +101,13 @@ def onednn(enabled: bool):
     """Switch torch's oneDNN (mkldnn) CPU kernels on or off for a `with` block, restoring them after.
 
     For one-row bf16 matmuls oneDNN streamed the weights at 12-23 GB/s here, while torch's own BLAS
-    GEMV (what runs with oneDNN off) reached 28-39 GB/s: a SmolLM2-135M bf16 decode step took 18.9 ms
-    with it and 10.2 ms without. For a 64-token prefill it is the other way round (53 ms with it,
-    302 ms without: oneDNN's GEMM uses the CPU's bf16 dot-product instructions), so decode steps run
-    with it off and prefills with it on. fp32 steps take the same time either way (MKL does them).
+    GEMV (what runs with oneDNN off) reached 28-43 GB/s: a SmolLM2-135M decode step took 16.1 ms with
+    it and 10.8 ms without in bf16 (20.2 and 17.0 ms in fp32, where it routes the column-block bmm).
+    For a 64-token bf16 prefill it is the other way round (53 ms with it, 302 ms without: oneDNN's
+    GEMM uses the CPU's bf16 dot-product instructions), so decode steps run with it off and
+    prefills with it on. A process-wide torch flag, so it is restored as soon as the step ends.
     """
     return torch.backends.mkldnn.flags(enabled=enabled, deterministic=None, allow_tf32=None, fp32_precision=None)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """`engine.model.RMSNorm`, op for op (fp32 math, rounded to x's dtype, then the weight).
-
-    Written out because `F.rms_norm` decomposes into about twice as many small ops on CPU, and at
-    batch 1 the number of ops, not their arithmetic, is what costs.
-    """
-    x32 = x.float()  # no-op in fp32
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def matmul_operand(weight_nk: Tensor, kn_blocks: int | None) -> Tensor:
@@ -224,7 +228,7 @@ class FastDecoder:
         kn_blocks = self.kn_blocks
         self.config, self.dtype, self.device = cfg, w.dtype, w.device
         self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.F, self.eps, self.window = cfg.intermediate_size, cfg.rms_norm_eps, cfg.sliding_window
+        self.Fi, self.eps, self.window = cfg.intermediate_size, cfg.rms_norm_eps, cfg.sliding_window
         self.scale = 1.0 / math.sqrt(self.D)
         with torch.no_grad():
             self.layers = [FastLayer.from_reference(layer, kn_blocks) for layer in model.layers]
@@ -250,7 +254,7 @@ class FastDecoder:
         return s
 
     def rope_matrices(self, start: int, T: int) -> Tensor:
-        """R [T, D, D] with x @ R[t] == apply_rope(x) at position start + t (trick 4).
+        """R [T, D, D] with x @ R[t] == apply_rope(x) at position start + t (trick 5).
 
         apply_rope(x) = x * cos + rotate_half(x) * sin = x @ (diag(cos) + S diag(sin)).
         """
@@ -285,10 +289,10 @@ class FastDecoder:
         mask = self._mask(T, start + T)  # None for a plain decode step
         x = self.embed[ids]  # [T, E]
         with onednn(enabled=T > 1):  # one-row matmuls are faster without it (see `onednn`)
-            for layer, kv in zip(self.layers, cache.kv, strict=False):
+            for layer, kv in zip(self.layers, cache.kv, strict=True):
                 x = self._attention(x, layer, kv, start, rot, mask)
                 x = self._mlp(x, layer)
-            h = rms_norm(x[-1:], self.norm, self.eps)  # [1, E]: only the last position
+            h = F.rms_norm(x[-1:], self.norm.shape, self.norm, self.eps)  # [1, E]: only the last position
             logits = matmul(h, self.lm_head)[0]  # [V]
         cache.length += T
         return logits
@@ -303,7 +307,7 @@ class FastDecoder:
                    mask: Tensor | None) -> Tensor:
         """x [T, E] -> x + attention(rmsnorm(x)) [T, E], writing this layer's k, v into kv[:, :, start:]."""
         T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
-        h = rms_norm(x, w.ln1, self.eps)  # [T, E]
+        h = F.rms_norm(x, w.ln1.shape, w.ln1, self.eps)  # [T, E]
         qkv = matmul(h, w.wqkv, w.bqkv)  # [T, (H+2Hkv) D]
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D).to(ATTENTION_DTYPE)  # [T, H+Hkv, D]
         qk = torch.bmm(qk, rot)  # RoPE'd, in fp32 like the rest of attention
@@ -312,7 +316,7 @@ class FastDecoder:
         S = start + T
         lo = 0 if mask is not None or self.window is None else max(0, S - self.window)  # window: last W keys
         out = self._attend(qk[:, :H], kv[0, :, lo:S], kv[1, :, lo:S], mask)  # [T, H D]
-        x = matmul(out, w.wo, add=x)  # x + out @ Wo in one call (trick 3)
+        x = matmul(out, w.wo, add=x)  # x + out @ Wo in one call (trick 4)
         return x if w.bo is None else x + w.bo
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
@@ -333,10 +337,10 @@ class FastDecoder:
         return out.view(H, T, D).transpose(0, 1).reshape(T, H * D).to(self.dtype)  # [T, H D]
 
     def _mlp(self, x: Tensor, w: FastLayer) -> Tensor:
-        """x [T, E] -> x + down(silu(gate) * up) [T, E], gate and up from one fused matmul (trick 2)."""
-        h = rms_norm(x, w.ln2, self.eps)  # [T, E]
+        """x [T, E] -> x + down(silu(gate) * up) [T, E], gate and up from one fused matmul (trick 3)."""
+        h = F.rms_norm(x, w.ln2.shape, w.ln2, self.eps)  # [T, E]
         gu = matmul(h, w.wgu, w.bgu)  # [T, 2F]
-        a = F.silu(gu[:, :self.F]) * gu[:, self.F:]  # [T, F]
+        a = F.silu(gu[:, :self.Fi]) * gu[:, self.Fi:]  # [T, F]
         x = matmul(a, w.wd, add=x)  # x + a @ Wd
         return x if w.bd is None else x + w.bd
 

@@ -15,16 +15,16 @@ from engine.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 # |fast - reference| over the logits of every step, both models in the same dtype: (mean, max).
-# fp32: only the order of floating-point sums differs (seen: mean 3e-6, max 2e-5 on tinylab).
-# Half precisions round at different places (fused matmuls and residual adds that round once, RoPE as
-# one matmul, attention in fp32), so single values differ by a few rounding steps of tinylab's residual
-# stream, which reaches |x| ~ 65 where a bf16 step is 0.5 and an fp16 step 0.03; the worst of ~10^5
-# logits seen: bf16 0.81, fp16 0.09. The mean is the tight check (seen: bf16 0.015, fp16 0.002), and
-# test_half_precision_fast_path_is_as_accurate_as_the_reference checks both against fp32.
+# fp32: only the order of floating-point sums differs (seen on tinylab: mean 3e-6, max 2e-5).
+# Half precisions round at different places (fused matmuls and residual adds that round once,
+# RoPE and attention in fp32), so single logits differ by a few rounding steps of tinylab's residual
+# stream, which reaches |x| ~ 65 where a bf16 step is 0.5 and an fp16 step 0.03 (seen: bf16 mean
+# 0.017, max 0.22; fp16 mean 0.002, max 0.03). About 2x headroom over what we saw; and
+# test_half_precision_fast_path_is_as_accurate_as_the_reference checks both paths against fp32.
 TOLERANCE = {  # dtype: (mean, max)
     torch.float32: (1e-5, 1e-4),
-    torch.float16: (5e-3, 0.25),
-    torch.bfloat16: (3e-2, 1.5),
+    torch.float16: (5e-3, 0.1),
+    torch.bfloat16: (3e-2, 0.5),
 }
 
 
