@@ -12,6 +12,7 @@ import random
 
 from engine.block_manager import BlockAllocator, BlockManager
 from engine.workloads import sample_request_lengths, total_lengths
+from exercises.checks import raises
 
 SEED = 4  # chapter 04: any fixed seed makes a failure reproducible
 RANDOM_OPS = 300  # allocator operations in the random comparison: enough to free, reuse and share often
@@ -24,12 +25,6 @@ def _assert_close(got, want, call: str) -> None:
         f"{call} gave {got!r}, expected {want!r}")
 
 
-def _raises(fn, error: type[Exception]) -> bool:
-    try:
-        fn()
-    except error:
-        return True
-    return False
 
 
 class _CountingAllocator:
@@ -48,12 +43,12 @@ class _CountingAllocator:
 # ---- the allocator ----------------------------------------------------------------------------------
 
 
-def check_allocator_hands_out_every_block_once_then_raises(mod) -> None:
+def check_allocator_hands_out_every_block_once_thenraises(mod) -> None:
     alloc = mod.TinyAllocator(5)
     got = [alloc.allocate() for _ in range(5)]
     assert got == [0, 1, 2, 3, 4], f"a fresh TinyAllocator(5) handed out {got}, expected [0, 1, 2, 3, 4]"
     assert alloc.num_free == 0, f"num_free is {alloc.num_free} after taking all 5 blocks, expected 0"
-    assert _raises(alloc.allocate, RuntimeError), "allocate() on an empty pool must raise NoFreeBlocksError"
+    assert raises(alloc.allocate, RuntimeError), "allocate() on an empty pool must raise NoFreeBlocksError"
     assert alloc.free(2) is True and alloc.num_free == 1, "free(2) of a block held once must return True"
     assert alloc.allocate() == 2, "after free(2), the only free block, 2, must be handed out again"
 
@@ -74,12 +69,12 @@ def check_allocator_refuses_a_double_free_and_unknown_ids(mod) -> None:
     alloc = mod.TinyAllocator(4)
     block = alloc.allocate()
     alloc.free(block)
-    assert _raises(lambda: alloc.free(block), ValueError), "freeing a block twice must raise ValueError"
-    assert _raises(lambda: alloc.free(3), ValueError), "freeing a block never allocated must raise ValueError"
-    assert _raises(lambda: alloc.incref(3), ValueError), "incref of a free block must raise ValueError"
+    assert raises(lambda: alloc.free(block), ValueError), "freeing a block twice must raise ValueError"
+    assert raises(lambda: alloc.free(3), ValueError), "freeing a block never allocated must raise ValueError"
+    assert raises(lambda: alloc.incref(3), ValueError), "incref of a free block must raise ValueError"
     for bad in (-1, 4):
-        assert _raises(lambda b=bad: alloc.free(b), ValueError), f"free({bad}) in a pool of 4 must raise"
-        assert _raises(lambda b=bad: alloc.refcount(b), ValueError), f"refcount({bad}) must raise ValueError"
+        assert raises(lambda b=bad: alloc.free(b), ValueError), f"free({bad}) in a pool of 4 must raise"
+        assert raises(lambda b=bad: alloc.refcount(b), ValueError), f"refcount({bad}) must raise ValueError"
     assert alloc.num_free == 4, f"refused calls must change nothing: num_free is {alloc.num_free}, expected 4"
 
 

@@ -23,6 +23,7 @@ from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, rank
 from engine.trace import ScheduledRequest, StepReport, Trace
+from exercises.checks import raises
 
 SEED = 5  # chapter 05: any fixed seed makes a failure reproducible
 ROUNDS = 60  # scheduler steps in the random comparison: queues fill, drain and refill several times
@@ -33,12 +34,6 @@ def _close(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=0, abs_tol=ABS_TOL)
 
 
-def _raises(fn, error: type[Exception]) -> bool:
-    try:
-        fn()
-    except error:
-        return True
-    return False
 
 
 # ---- one scheduling step -----------------------------------------------------------------------------
@@ -132,7 +127,7 @@ def check_choose_victim_takes_the_lowest_priority_then_the_latest_arrival(mod) -
     assert got == "b", f"got {got!r}, expected 'b' (lowest priority 1, then the latest arrival 0.5)"
     got = mod.choose_victim([("x", 0, 1.0), ("y", 0, 1.0), ("z", 0, 0.3)])
     assert got == "y", f"got {got!r}, expected 'y': x and y tie, and y comes last in the list"
-    assert _raises(lambda: mod.choose_victim([]), ValueError), "choose_victim([]) must raise ValueError"
+    assert raises(lambda: mod.choose_victim([]), ValueError), "choose_victim([]) must raise ValueError"
 
 
 def check_choose_victim_matches_the_engine_rank(mod) -> None:
@@ -227,7 +222,7 @@ def check_static_idle_fraction_by_hand(mod) -> None:
     got = mod.static_idle_fraction([3, 3, 3], 3)
     assert got == 0.0, f"equal lengths in full batches waste nothing, got {got}"
     for bad in (([], 2), ([0, 2], 2), ([2], 0)):
-        assert _raises(lambda b=bad: mod.static_idle_fraction(*b), ValueError), (
+        assert raises(lambda b=bad: mod.static_idle_fraction(*b), ValueError), (
             f"static_idle_fraction{bad} must raise ValueError")
 
 
