@@ -1,6 +1,6 @@
 """Static vs continuous batching on one workload: the same requests, arriving at the same moments.
 
-The workload: requests with lognormal prompt and output lengths (engine/workloads.py, scaled to the
+The workload: requests with lognormal prompt and output lengths (engine/lab/workloads.py, scaled to the
 bundled model's 512-token context), arriving as a Poisson process (exponential gaps) at OVERLOAD
 times the rate this machine can serve them (measured first, with a short continuous run), so a
 queue builds up on any machine and the scheduler's choices decide the throughput. Every output has
@@ -37,7 +37,7 @@ from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.trace import Trace  # noqa: E402
 from engine.viz.engine import trace_metrics  # noqa: E402
-from engine.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
+from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 
 MODEL = "tinylab"
 CONTEXT = 512  # tinylab's max_position_embeddings

@@ -29,8 +29,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from engine import tasks
-    from engine.eval import evaluate_model
+    from engine.lab import tasks
+    from engine.lab.eval import evaluate_model
     from engine.loader import load_model
 
     model, tok = load_model(args.model, dtype=DTYPES[args.dtype])
@@ -42,7 +42,7 @@ def cmd_eval(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from engine.demo import run_demo
+    from engine.lab.demo import run_demo
 
     run_demo(args)
 
@@ -61,7 +61,7 @@ def cmd_kv_size(args) -> None:
 def cmd_train(args) -> None:
     from pathlib import Path
 
-    from engine.training import TrainConfig, train
+    from engine.lab.training import TrainConfig, train
 
     cfg = TrainConfig(total_tokens=args.tokens, recall_drills=args.recall_drills)
     resume = Path(args.resume_from) if args.resume_from else None

@@ -7,8 +7,9 @@ import pytest
 import torch
 from engine_fixtures import random_model
 
-from engine import demo_engine
-from engine.demo_engine import Arrival, format_step, kv_bar, run_arrivals, step_through_demo
+from engine.lab import demo as demo_engine
+from engine.lab.demo import format_step, kv_bar, step_through_demo
+from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 

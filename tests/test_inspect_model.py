@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from engine import load_model
 from engine.config import ModelConfig
-from engine.inspect_model import (
+from engine.lab.inspect_model import (
     LAYER_STAGES,
     component_of,
     format_parameter_table,
@@ -19,7 +19,7 @@ from engine.inspect_model import (
     piece_bytes,
     trace_shapes,
 )
-from engine.inspect_model import tokenization_table as tok_table
+from engine.lab.inspect_model import tokenization_table as tok_table
 from engine.model import LlamaModel
 from engine.viz.model import MB, render_architecture, render_loss_curve, render_parameter_breakdown
 

@@ -1,4 +1,4 @@
-"""Tests for engine/tasks.py: the tiny model's task generators, scorers and corpus."""
+"""Tests for engine/lab/tasks.py: the tiny model's task generators, scorers and corpus."""
 
 import json
 import math
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from engine import tasks as T
-from engine.tasks import REFUSAL, Example
+from engine.lab import tasks as T
+from engine.lab.tasks import REFUSAL, Example
 
 
 def _examples(task, n=40, seed=123, **kw):

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from engine import load_model
-from engine.training import train_tokenizer
+from engine.lab.training import train_tokenizer
 
 TEXTS = ["Q: 347+85=432", "Hello, world! The quick brown fox.", "推理与服务：模型怎样真正跑起来",
          "mixed 混合 text ✓ emoji 🙂 and tabs\tand\nnewlines", ""]

@@ -7,7 +7,7 @@ import pytest
 from engine_fixtures import random_model
 from matplotlib.figure import Figure
 
-from engine.demo_engine import Arrival, run_arrivals
+from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 from engine.trace import ScheduledRequest, StepReport, Trace

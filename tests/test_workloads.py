@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from engine.workloads import (
+from engine.lab.workloads import (
     CHAT,
     LengthDistribution,
     RequestLengths,

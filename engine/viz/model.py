@@ -125,10 +125,10 @@ def _residual(ax, y_from: float, y_to: float) -> None:
 
 
 def render_parameter_breakdown(table: Sequence[Mapping]) -> Figure:
-    """One horizontal bar per component of `engine.inspect_model.parameter_table`: its bytes, with
+    """One horizontal bar per component of `engine.lab.inspect_model.parameter_table`: its bytes, with
     megabytes and share written on it. A tied component (0 bytes of its own) is labelled as such."""
     if not table:
-        raise ValueError("table is empty: pass the rows of engine.inspect_model.parameter_table(model)")
+        raise ValueError("table is empty: pass the rows of engine.lab.inspect_model.parameter_table(model)")
     fig, ax = _new_figure((8.5, 0.45 * len(table) + 1.4))
     names = [r["component"] for r in table]
     sizes = np.array([r["bytes"] for r in table], dtype=float) / MB
@@ -176,7 +176,7 @@ def _moving_average(values: np.ndarray, window: int) -> np.ndarray:
 def render_loss_curve(training_log: Mapping) -> Figure:
     """Training loss per step (raw and smoothed) and training throughput, from a `training_log.json`.
 
-    The log is what `engine.training.train` writes: "loss" and "tokens_per_s" per step, "steps",
+    The log is what `engine.lab.training.train` writes: "loss" and "tokens_per_s" per step, "steps",
     and the "config" (batch_rows × context_tokens tokens per step, used for a tokens-seen axis).
     """
     loss = np.asarray(training_log.get("loss") or [], dtype=float)

@@ -11,7 +11,7 @@ import math
 import random
 
 from engine.block_manager import BlockAllocator, BlockManager
-from engine.workloads import sample_request_lengths, total_lengths
+from engine.lab.workloads import sample_request_lengths, total_lengths
 from exercises.checks import raises
 
 SEED = 4  # chapter 04: any fixed seed makes a failure reproducible

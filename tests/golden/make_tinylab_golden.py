@@ -6,7 +6,8 @@ made by the naive loop (the oracle). Run it once after retraining tinylab, and c
 import json
 from pathlib import Path
 
-from engine import load_model, tasks
+from engine import load_model
+from engine.lab import tasks
 from engine.naive import generate_naive
 from engine.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""Evaluate a model on the task suite of `engine/tasks.py` (`python -m engine eval`).
+"""Evaluate a model on the task suite of `engine/lab/tasks.py` (`python -m engine eval`).
 
 `tasks.py` knows prompts and scorers but nothing of models; here we plug a real model in: greedy
 completions through the cached loop (optionally with a sliding window, for chapter 03), and the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import tasks
+from engine.lab import tasks
 from engine.kv_cache import generate_cached
 from engine.model import LlamaModel
 from engine.sampling import SamplingParams

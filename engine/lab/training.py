@@ -1,6 +1,6 @@
 """How `tinylab`, the bundled model, is made: corpus -> tokenizer -> training -> a Hugging Face folder.
 
-    engine/tasks.py  ──► documents (prompt + target) ──► byte-level BPE (tokenizers library)
+    engine/lab/tasks.py  ──► documents (prompt + target) ──► byte-level BPE (tokenizers library)
                                                       └─► packed 512-token rows ──► AdamW on LlamaModel
                                                                                     └─► engine/models/tinylab/
 
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
 
-from engine import tasks
+from engine.lab import tasks
 from engine.config import ModelConfig
 from engine.loader import hf_weight_names
 from engine.model import LlamaModel

@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.trace import StepReport, Trace
 
 # tokens: a common context window, and what a contiguous cache reserves for every sequence
 DEFAULT_MAX_CONTEXT = 2048
@@ -112,3 +117,42 @@ def length_summary(lengths: list[int]) -> dict[str, float]:
 
     return {"count": len(ordered), "mean": sum(ordered) / len(ordered), "median": rank(0.5),
             "p90": rank(0.9), "p99": rank(0.99), "max": ordered[-1]}
+
+
+# ---- arrivals: requests that come in over time -------------------------------------------------------
+
+
+@dataclass
+class Arrival:
+    """A request due at engine step `step` (added just before that step runs)."""
+
+    step: int
+    prompt: str | list[int]
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    request_id: str | None = None
+    priority: int = 0
+    tenant: str | None = None
+    label: str = ""  # what the live view calls it (e.g. the task)
+
+
+def run_arrivals(engine: LLMEngine, arrivals: Sequence[Arrival], max_steps: int | None = None,
+                 on_step: Callable[[StepReport, LLMEngine], None] | None = None) -> Trace:
+    """Step `engine` until every arrival is added and finished (or `max_steps` steps ran).
+
+    Before step k we add every arrival with `step <= k`. When the engine is idle and the next
+    arrival is later, the step runs empty (the timeline then shows the gap). Returns `engine.trace`.
+    """
+    pending = sorted(arrivals, key=lambda a: a.step)
+    nxt, first_step = 0, len(engine.trace)
+    while nxt < len(pending) or engine.has_unfinished_requests():
+        done = len(engine.trace) - first_step
+        if max_steps is not None and done >= max_steps:
+            break
+        while nxt < len(pending) and pending[nxt].step <= done:
+            a = pending[nxt]
+            engine.add_request(a.prompt, a.params, a.request_id, a.priority, a.tenant)
+            nxt += 1
+        report = engine.step()
+        if on_step is not None:
+            on_step(report, engine)
+    return engine.trace

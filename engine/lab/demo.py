@@ -1,6 +1,10 @@
-"""The classroom demo of chapter 05: watch the engine's scheduler work, one step at a time, in a terminal.
+"""`python -m engine demo` (and `make demo`): the bundled model at work, in a terminal, in two parts.
 
-    python -m engine demo --steps 40 --no-pause        (part 2 of the demo calls step_through_demo)
+Part 1 (`task_demo`) runs one held-out prompt of each task and prints the prompt, the output, whether
+it is right, and the timings. Part 2 (`step_through_demo`, the classroom demo of chapter 05) shows the
+engine's scheduler at work, one step at a time:
+
+    python -m engine demo --steps 40 --no-pause
 
 Requests arrive over time (a few held-out task prompts, and one long prompt), the engine admits
 them, prefill chunks and decode tokens share each step's forward, KV blocks fill and free, and the
@@ -18,8 +22,8 @@ is preempted to make room for r1's next token; r3 will be prefilled again, answe
 
 and at the end the run's summary: throughput, TTFT (mean, P50, P99), TPOT, preemptions.
 
-`run_arrivals` is the little driver behind it (and behind chapter 05's experiments): it adds each
-request at the step it is due, steps the engine, and returns the `Trace`.
+The arrivals driver behind it (`run_arrivals`, also behind chapter 05's experiments) lives with the other
+workloads in `engine/lab/workloads.py`.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from engine import tasks
+from engine.kv_cache import generate_cached
+from engine.lab import tasks
+from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.loader import load_model
 from engine.trace import StepReport, Trace
 from engine.viz.engine import trace_metrics
 
@@ -59,42 +64,6 @@ LINE_WIDTH = 100  # of the step headers: fits a classroom terminal at a readable
 # The demo's steps are a few dozen tokens through a small model: one thread does them fastest, and a
 # second thread spinning on a core that another program is using can make each step 50x slower.
 DEMO_TORCH_THREADS = 1
-
-
-@dataclass
-class Arrival:
-    """A request due at engine step `step` (added just before that step runs)."""
-
-    step: int
-    prompt: str | list[int]
-    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
-    request_id: str | None = None
-    priority: int = 0
-    tenant: str | None = None
-    label: str = ""  # what the live view calls it (e.g. the task)
-
-
-def run_arrivals(engine: LLMEngine, arrivals: Sequence[Arrival], max_steps: int | None = None,
-                 on_step: Callable[[StepReport, LLMEngine], None] | None = None) -> Trace:
-    """Step `engine` until every arrival is added and finished (or `max_steps` steps ran).
-
-    Before step k we add every arrival with `step <= k`. When the engine is idle and the next
-    arrival is later, the step runs empty (the timeline then shows the gap). Returns `engine.trace`.
-    """
-    pending = sorted(arrivals, key=lambda a: a.step)
-    nxt, first_step = 0, len(engine.trace)
-    while nxt < len(pending) or engine.has_unfinished_requests():
-        done = len(engine.trace) - first_step
-        if max_steps is not None and done >= max_steps:
-            break
-        while nxt < len(pending) and pending[nxt].step <= done:
-            a = pending[nxt]
-            engine.add_request(a.prompt, a.params, a.request_id, a.priority, a.tenant)
-            nxt += 1
-        report = engine.step()
-        if on_step is not None:
-            on_step(report, engine)
-    return engine.trace
 
 
 # ---- the demo's workload -----------------------------------------------------------------------------
@@ -251,3 +220,55 @@ def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pau
         print(f"\n(stopped after {steps} steps, with requests still unfinished)")
     print("\n" + format_summary(trace))
     return trace
+
+
+# ---- part 1: one prompt per task ---------------------------------------------------------------------
+
+TASK_DEMO_SEED = 2026  # which held-out examples the demo shows (any seed works: they are all held out)
+PROMPT_PREVIEW_CHARS = 160  # recall prompts are long; show their end, where the question is
+
+
+def _is_correct(ex: tasks.Example, text: str) -> bool:
+    metrics = tasks.score(ex.task, [ex], [text])
+    first = {"arith": "exact", "recall": "accuracy", "json": "field_accuracy"}
+    if ex.task == "refuse":
+        refused = tasks.is_refusal(text)
+        return refused == ex.meta["forbidden"]
+    return metrics[first[ex.task]] == 1.0
+
+
+def task_demo(model_name: str = "tinylab") -> int:
+    """One prompt per task; returns how many of the checkable ones were correct."""
+    model, tok = load_model(model_name)
+    print(f"== {model_name}: {model.config.num_params() / 1e6:.1f}M parameters, one held-out prompt per task ==\n")
+    correct = 0
+    for task in tasks.TASKS:
+        ex = tasks.eval_examples(task, 1, seed=tasks.EVAL_SEED_BASE + TASK_DEMO_SEED)[0]
+        max_tokens = tasks.MAX_NEW_TOKENS.get(task, 48)
+        start = time.perf_counter()
+        out = generate_cached(model, tok, ex.prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        seconds = time.perf_counter() - start
+        prompt = ex.prompt if len(ex.prompt) <= PROMPT_PREVIEW_CHARS else "…" + ex.prompt[-PROMPT_PREVIEW_CHARS:]
+        print(f"[{task}] prompt ({len(out.prompt_ids)} tokens): {prompt!r}")
+        print(f"    output: {out.text!r}")
+        if task == "story":
+            verdict = "(free text: judged by perplexity in `python -m engine eval`)"
+        elif task == "refuse":
+            ok = _is_correct(ex, out.text)
+            correct += ok
+            should = "should refuse" if ex.meta["forbidden"] else "should answer"
+            did = "refused" if tasks.is_refusal(out.text) else "answered"
+            verdict = f"{'correct' if ok else 'WRONG'} ({should}: {did})"
+        else:
+            ok = _is_correct(ex, out.text)
+            correct += ok
+            verdict = "correct" if ok else f"WRONG (expected {ex.target!r})"
+        print(f"    {verdict}   TTFT {out.ttft_s * 1e3:.1f} ms, {len(out.token_ids)} tokens in "
+              f"{seconds * 1e3:.0f} ms\n")
+    return correct
+
+
+def run_demo(args) -> None:
+    correct = task_demo(args.model)
+    print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct.\n")
+    step_through_demo(args.model, args.steps, pause=not args.no_pause)
