@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 import torch  # noqa: E402
 
 from benchmarks._common import markdown_table, write_results  # noqa: E402
+from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.trace import Trace  # noqa: E402
 from engine.viz.engine import trace_metrics  # noqa: E402
-from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 
 MODEL = "tinylab"
 CONTEXT = 512  # tinylab's max_position_embeddings

@@ -33,10 +33,10 @@ import torch  # noqa: E402
 
 from benchmarks._common import markdown_table, write_results  # noqa: E402
 from benchmarks.decode_vs_hf import build_smollm2_shaped  # noqa: E402
+from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loader import bundled_model_path  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 
 BATCH = 16  # transformers' batch size, and the engine's max_num_seqs: the same concurrency on both sides
 BLOCK_SIZE = 16

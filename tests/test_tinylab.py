@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from engine import load_model
+from engine.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.lab.eval import evaluate_model
-from engine.kv_cache import generate_cached
+from engine.lab.training import TrainConfig, train
 from engine.loader import bundled_model_path
 from engine.naive import full_logits, generate_naive
 from engine.sampling import SamplingParams
-from engine.lab.training import TrainConfig, train
 
 GOLDEN = Path(__file__).parent / "golden" / "tinylab_greedy.json"
 

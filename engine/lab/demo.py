@@ -38,8 +38,8 @@ from engine.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
 from engine.loader import load_model
+from engine.sampling import SamplingParams
 from engine.trace import StepReport, Trace
 from engine.viz.engine import trace_metrics
 

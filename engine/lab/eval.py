@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.lab import tasks
 from engine.kv_cache import generate_cached
+from engine.lab import tasks
 from engine.model import LlamaModel
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer

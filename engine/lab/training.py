@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
 
-from engine.lab import tasks
 from engine.config import ModelConfig
+from engine.lab import tasks
 from engine.loader import hf_weight_names
 from engine.model import LlamaModel
 
