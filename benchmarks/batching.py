@@ -12,7 +12,7 @@ exactly its sampled length (greedy, EOS ignored), so both policies do the same w
 
 We replay the arrivals on the real clock (a request that is due is added with its due time as its
 arrival time, so TTFT counts its wait in the queue), step the engine, and read the metrics from
-its Trace (engine.viz.engine.trace_metrics). Speeds are reported, never asserted.
+its Trace (engine.metrics.trace_summary; percentiles by nearest rank). Speeds are reported, never asserted.
 
     python benchmarks/batching.py            # 48 requests, two repeats per policy
     python benchmarks/batching.py --quick    # 16 requests, one repeat
@@ -35,9 +35,9 @@ import torch  # noqa: E402
 from benchmarks._common import markdown_table, write_results  # noqa: E402
 from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
+from engine.metrics import trace_summary  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.trace import Trace  # noqa: E402
-from engine.viz.engine import trace_metrics  # noqa: E402
 
 MODEL = "tinylab"
 CONTEXT = 512  # tinylab's max_position_embeddings
@@ -97,14 +97,14 @@ def replay(engine: LLMEngine, requests: list[tuple[float, list[int], SamplingPar
 def run_policy(name: str, requests, model, tokenizer) -> dict:
     engine = LLMEngine(model, tokenizer, engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **POLICIES[name]))
     cpu = time.process_time()
-    m = trace_metrics(replay(engine, requests))
+    m = trace_summary(replay(engine, requests))
     cpu = time.process_time() - cpu
-    return {"policy": name, "steps": m["steps"], "output_tokens": m["output_tokens"],
-            "tokens_per_step": round(m["tokens_per_step"], 2),
-            "throughput_tok_s": round(m["throughput_tok_s"], 1),
-            "ttft_p50_s": round(m["ttft_p50_s"], 3), "ttft_p99_s": round(m["ttft_p99_s"], 3),
-            "tpot_mean_ms": round(1e3 * m["tpot_mean_s"], 1), "duration_s": round(m["duration_s"], 2),
-            "cpu_s": round(cpu, 2)}
+    return {"policy": name, "steps": m.steps, "output_tokens": m.output_tokens,
+            "tokens_per_step": round(m.tokens_per_step, 2),
+            "throughput_tok_s": round(m.throughput_tok_s, 1),
+            "ttft_p50_s": round(m.ttft_s.p50, 3), "ttft_p99_s": round(m.ttft_s.p99, 3),
+            "tpot_mean_ms": round(1e3 * m.tpot_s.mean, 1), "itl_p99_ms": round(1e3 * m.itl_s.p99, 1),
+            "duration_s": round(m.duration_s, 2), "cpu_s": round(cpu, 2)}
 
 
 def median_row(rows: list[dict]) -> dict:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -40,10 +39,11 @@ import torch  # noqa: E402
 
 from benchmarks._common import markdown_table, write_results  # noqa: E402
 from engine import load_model  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
 from engine.fast_decode import FastDecoder  # noqa: E402
 from engine.kv_cache import generate_cached  # noqa: E402
-from engine.loader import bundled_model_path  # noqa: E402
-from engine.memory import ModelShape, dtype_bytes  # noqa: E402
+from engine.loader import bundled_model_path, read_config  # noqa: E402
+from engine.memory import dtype_bytes  # noqa: E402
 from engine.roofline import MachineRoofline, calibrate, decode_roofline_tokens_per_s  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
@@ -125,7 +125,7 @@ def same_prefix(a: list[int], b: list[int]) -> int:
     return k
 
 
-def bench_model(label: str, folder: Path, shape: ModelShape, roofline: MachineRoofline, cfg: dict) -> list[dict]:
+def bench_model(label: str, folder: Path, shape: ModelConfig, roofline: MachineRoofline, cfg: dict) -> list[dict]:
     import transformers
 
     rows = []
@@ -135,7 +135,7 @@ def bench_model(label: str, folder: Path, shape: ModelShape, roofline: MachineRo
         runners = {"servelab-cached": servelab_runner(model, None),
                    "servelab-fast": servelab_runner(model, FastDecoder(model)),
                    "transformers": hf_runner(hf)}
-        ids = prompt_ids(shape.vocab)
+        ids = prompt_ids(shape.vocab_size)
         res = time_engines(runners, ids, cfg["new_tokens"], cfg["repeats"])
         context = PROMPT_TOKENS + cfg["new_tokens"] // 2  # the mean context a decode step reads
         roof = decode_roofline_tokens_per_s(shape, roofline, dtype_bytes(dtype), context)
@@ -181,12 +181,10 @@ def main(argv=None) -> None:
           f"fp32 matmul {roofline.peak_flops / 1e9:.0f} GFLOP/s ({roofline.description})", flush=True)
     rows = []
     tinylab = bundled_model_path("tinylab")
-    rows += bench_model("tinylab", tinylab, ModelShape.from_hf_config(
-        json.loads((tinylab / "config.json").read_text()), "tinylab"), roofline, cfg)
+    rows += bench_model("tinylab", tinylab, read_config(tinylab), roofline, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_smollm2_shaped(Path(tmp))
-        shape = ModelShape.from_hf_config(json.loads((folder / "config.json").read_text()), "SmolLM2-135M-shape")
-        rows += bench_model("SmolLM2-135M-shape (random)", folder, shape, roofline, cfg)
+        rows += bench_model("SmolLM2-135M-shape (random)", folder, read_config(folder), roofline, cfg)
     conditions.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       load_avg_1min_after=round(os.getloadavg()[0], 2),
                       **{f"{k}_after": v for k, v in busy_processes().items()})

@@ -1,4 +1,4 @@
-"""Command line: `python -m engine generate|eval|demo|kv-size|train-tinylab ...` (see --help)."""
+"""Command line: `python -m engine generate|chat|eval|demo|kv-size|train-tinylab ...` (see --help)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import time
 
 import torch
 
+# What a user's bad input raises (a wrong option, a broken model folder or file, an unknown name); anything
+# else is a bug in servelab and keeps its traceback.
+CLI_ERRORS = (ValueError, TypeError, KeyError, OSError)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,14 +51,16 @@ def cmd_demo(args) -> None:
 
 
 def cmd_kv_size(args) -> None:
-    from engine.memory import PRESETS, dtype_bytes, kv_cache_bytes
+    from engine.config import MODEL_PRESETS
+    from engine.memory import dtype_bytes, kv_cache_bytes
 
-    if args.preset not in PRESETS:
-        sys.exit(f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    s = PRESETS[args.preset]
-    n = kv_cache_bytes(s.layers, args.batch, args.tokens, s.kv_heads, s.head_dim, dtype_bytes(args.dtype))
-    print(f"{args.preset}: 2 x L={s.layers} x B={args.batch} x T={args.tokens} x Hkv={s.kv_heads} "
-          f"x D={s.head_dim} x b={dtype_bytes(args.dtype)} = {n:,} bytes = {n / 1e9:.2f} GB")
+    if args.preset not in MODEL_PRESETS:
+        sys.exit(f"unknown --preset {args.preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    c = MODEL_PRESETS[args.preset]
+    L, Hkv, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    n = kv_cache_bytes(L, args.batch, args.tokens, Hkv, D, dtype_bytes(args.dtype))
+    print(f"{args.preset}: 2 x L={L} x B={args.batch} x T={args.tokens} x Hkv={Hkv} "
+          f"x D={D} x b={dtype_bytes(args.dtype)} = {n:,} bytes = {n / 1e9:.2f} GB")
 
 
 def cmd_train(args) -> None:
@@ -67,6 +72,62 @@ def cmd_train(args) -> None:
     resume = Path(args.resume_from) if args.resume_from else None
     log = train(cfg, Path(args.out), resume_from=resume, start_step=args.start_step)
     print(f"trained in {log['train_seconds']:.0f} s; final loss {log['loss'][-1]:.3f}; saved to {args.out}")
+
+
+def stream_reply(engine, messages: list[dict], params, write) -> dict:
+    """Answer the conversation `messages` on `engine`, calling `write(delta)` with the text of each step
+    as it is generated; returns {"text", "tokens", "ttft_s", "tok_per_s", "finish_reason"}."""
+    tok = engine.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    req = engine.get_request(engine.add_request(prompt_ids, params))
+    shown = 0
+    while not req.is_finished:
+        engine.step()
+        if len(req.text) > shown:
+            write(req.text[shown:])
+            shown = len(req.text)
+    engine.pop_request(req.request_id)
+    n, decode_s = len(req.output_token_ids), req.finish_time - req.first_token_time
+    return {"text": req.text, "tokens": n, "ttft_s": req.first_token_time - req.arrival_time,
+            "tok_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan"),
+            "finish_reason": req.finish_reason}
+
+
+def cmd_chat(args) -> None:
+    """An interactive chat, one line of stdin per user turn (so a test can drive it through a pipe)."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    engine = LLMEngine.from_pretrained(args.model, args.dtype, max_num_seqs=1)
+    if engine.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer.json; chat needs text in and out")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    print(f"chatting with {args.model}; /reset starts over, /quit (or Ctrl-D) ends", flush=True)
+    while True:
+        print("\n> ", end="", flush=True)
+        line = sys.stdin.readline()
+        text = line.strip()
+        if not line or text == "/quit":
+            break
+        if text == "/reset":
+            history = list(start)
+            print("[conversation cleared]", flush=True)
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            r = stream_reply(engine, history, params, lambda s: print(s, end="", flush=True))
+        except ValueError as err:  # e.g. the conversation outgrew the context: say so, keep the session
+            history.pop()
+            print(f"[error: {err}; /reset starts over]", flush=True)
+            continue
+        history.append({"role": "assistant", "content": r["text"]})
+        print(f"\n[TTFT {r['ttft_s'] * 1e3:.0f} ms | {r['tokens']} tokens | {r['tok_per_s']:.1f} tok/s | "
+              f"{r['finish_reason']}]", flush=True)
 
 
 def main(argv=None) -> None:
@@ -108,11 +169,21 @@ def main(argv=None) -> None:
     t.add_argument("--resume-from", default=None, help="continue from a folder this command saved")
     t.add_argument("--start-step", type=int, default=0, help="the step that folder was saved at")
     t.set_defaults(func=cmd_train)
+    c = sub.add_parser("chat", help="chat in the terminal with a model (streams tokens; /reset, /quit)")
+    c.add_argument("--model", default="smollm2-135m-instruct")
+    c.add_argument("--system", default=None, help="a system message that starts every conversation")
+    c.add_argument("--dtype", default="float32", choices=DTYPES)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--seed", type=int, default=None)
+    c.set_defaults(func=cmd_chat)
     args = p.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        sys.exit(f"error: {err}")
+    except CLI_ERRORS as err:  # bad input of any kind: one clear line, never a traceback
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        sys.exit(f"error: {message}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,23 @@ count, so a prompt shared by n samples is stored once. The first write into a sh
 filled last block triggers *copy-on-write*: the writer gets a fresh block, and we report the
 ``(src_block, dst_block)`` pair that the caller must copy in the KV pools before writing.
 
-This module is pure bookkeeping: it never touches a tensor. The attention kernels that read
-through the tables live in ``kernels/paged_attention``.
+Swapping: when the device pool runs out, the scheduler may preempt a sequence by *swapping* it:
+its blocks move to a CPU-side swap pool of the same layout, and come back later. Its table moves
+with them, so a sequence is always in exactly one of the two places::
+
+                      swap_out(s)                          swap_in(s)
+    device table [7, 2, 5]  ----->  CPU table [0, 1, 2]  ----->  device table [3, 4, 6]
+    device blocks 7, 2, 5 freed      returns [(7, 0), (2, 1), (5, 2)]    CPU blocks freed
+                                     (GPU block, CPU block)              returns [(0, 3), (1, 4), (2, 6)]
+
+The pairs are the copies the KV pool (``engine/kv_pool.py``) must do before the next forward.
+A block shared by forked sequences is copied once per sequence that swaps out, and each gets a
+private device copy on the way back (vLLM swaps a whole sample group at once to keep the sharing;
+we keep it simple).
+
+This module is pure bookkeeping: it never touches a tensor. The KV pools live in
+``engine/kv_pool.py``, and the attention kernels that read through the tables in
+``kernels/paged_attention``.
 """
 
 from __future__ import annotations
@@ -43,13 +58,12 @@ class NoFreeBlocksError(RuntimeError):
     A scheduler catches this and waits, preempts, or rejects; the manager's state is unchanged.
     """
 
-    def __init__(self, needed: int, free: int):
+    def __init__(self, needed: int, free: int, pool: str = "KV"):
         self.needed = needed
         self.free = free
-        super().__init__(
-            f"need {needed} free KV block(s) but only {free} are free; "
-            "free a sequence, preempt one, or give the cache more blocks"
-        )
+        advice = ("raise swap_space_blocks, or preempt by recompute" if pool == "CPU swap"
+                  else "free a sequence, preempt one, or give the cache more blocks")
+        super().__init__(f"need {needed} free {pool} block(s) but only {free} are free; {advice}")
 
 
 class BlockAllocator:
@@ -151,6 +165,15 @@ class BlockUsage:
         return self.wasted_slots / self.reserved_slots if self.reserved_slots else 0.0
 
 
+@dataclass(frozen=True)
+class SwapUsage:
+    """The CPU swap pool, in blocks (all zeros when there is none: preemption by recompute)."""
+
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+
+
 @dataclass
 class _Sequence:
     block_table: list[int]
@@ -158,25 +181,53 @@ class _Sequence:
 
 
 class BlockManager:
-    """Block tables of all live sequences over one ``BlockAllocator``.
+    """Every block table: the device pool's (one ``BlockAllocator``) and the CPU swap pool's.
 
     Every method that can run out of blocks is all-or-nothing: it checks first, and on
-    ``NoFreeBlocksError`` the tables, token counts and free list are exactly as before.
+    ``NoFreeBlocksError`` the tables, token counts and free lists are exactly as before.
+    ``seq_id in manager`` and ``seq_ids()`` speak of the device pool; a swapped sequence is
+    asked about with ``is_swapped``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        if num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0 (0: no swap pool), got {num_swap_blocks}")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self._seqs: dict[int, _Sequence] = {}
+        self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        self._seqs: dict[int, _Sequence] = {}  # on the device
+        self._swapped: dict[int, _Sequence] = {}  # in the CPU swap pool: tables of CPU block ids
+        # The prefix cache (a later chapter) goes here: free-but-cached device blocks by content
+        # hash, and the evictor that picks which of them to reuse when the free list is empty.
 
     # ---- questions -------------------------------------------------------------------------
     def __contains__(self, seq_id: int) -> bool:
+        """Does the sequence hold blocks on the device? (A swapped one does not.)"""
         return seq_id in self._seqs
 
     def seq_ids(self) -> list[int]:
         return list(self._seqs)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self._swapped
+
+    def swapped_seq_ids(self) -> list[int]:
+        return list(self._swapped)
+
+    def swap_table(self, seq_id: int) -> list[int]:
+        """The CPU blocks of a swapped sequence, in token order."""
+        return list(self._get_swapped(seq_id).block_table)
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        free = self.swap_allocator.num_free if self.swap_allocator else 0
+        return len(self._get(seq_id).block_table) <= free
+
+    def can_swap_in(self, seq_id: int, num_new_tokens: int = 0) -> bool:
+        """Do its blocks, plus room for ``num_new_tokens`` more tokens, fit in the device pool?"""
+        seq = self._get_swapped(seq_id)
+        return self.blocks_for(seq.num_tokens + num_new_tokens) <= self.allocator.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
@@ -211,7 +262,7 @@ class BlockManager:
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Register a new sequence holding ``num_tokens`` tokens; returns its block table."""
-        if seq_id in self._seqs:
+        if seq_id in self._seqs or seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id} already has blocks; free it or use append_slots")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -247,18 +298,52 @@ class BlockManager:
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no copy, no new block)."""
         parent = self._get(parent_id)
-        if child_id in self._seqs:
+        if child_id in self._seqs or child_id in self._swapped:
             raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
         for block in parent.block_table:
             self.allocator.incref(block)
         self._seqs[child_id] = _Sequence(block_table=list(parent.block_table), num_tokens=parent.num_tokens)
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence; blocks nobody else holds go back to the free list."""
+        """Drop the sequence, on the device or swapped; blocks nobody else holds go back to the free list."""
+        if seq_id in self._swapped:
+            for block in self._swapped.pop(seq_id).block_table:
+                self.swap_allocator.free(block)
+            return
         seq = self._get(seq_id)
         for block in seq.block_table:
             self.allocator.free(block)
         del self._seqs[seq_id]
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move the sequence's table to the CPU pool; returns the (GPU block, CPU block) copies.
+
+        Its device blocks are freed (a block a forked sibling still holds stays used). Raises
+        ``NoFreeBlocksError`` (nothing changed) when the swap pool has too few free blocks or none.
+        """
+        seq = self._get(seq_id)
+        if not self.can_swap_out(seq_id):
+            free = self.swap_allocator.num_free if self.swap_allocator else 0
+            raise NoFreeBlocksError(needed=len(seq.block_table), free=free, pool="CPU swap")
+        cpu_blocks = self.swap_allocator.allocate_many(len(seq.block_table)) if seq.block_table else []
+        self.free(seq_id)
+        self._swapped[seq_id] = _Sequence(block_table=cpu_blocks, num_tokens=seq.num_tokens)
+        return list(zip(seq.block_table, cpu_blocks, strict=True))
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back to fresh device blocks; returns the (CPU block, GPU block)
+        copies. Raises ``NoFreeBlocksError`` (nothing changed) when the device pool is too full."""
+        seq = self._get_swapped(seq_id)
+        gpu_blocks = self.allocator.allocate_many(len(seq.block_table))
+        for block in seq.block_table:
+            self.swap_allocator.free(block)
+        del self._swapped[seq_id]
+        self._seqs[seq_id] = _Sequence(block_table=gpu_blocks, num_tokens=seq.num_tokens)
+        return list(zip(seq.block_table, gpu_blocks[::-1], strict=True))
+
+    def swap_usage(self) -> SwapUsage:
+        pool = self.swap_allocator
+        return SwapUsage(pool.num_blocks, pool.num_used, pool.num_free) if pool else SwapUsage(0, 0, 0)
 
     def usage(self) -> BlockUsage:
         """Blocks and slots in use; a shared block's filled slots are counted once."""
@@ -284,7 +369,16 @@ class BlockManager:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise ValueError(f"unknown sequence id {seq_id!r}; live ids: {sorted(self._seqs)}") from None
+            raise ValueError(f"unknown sequence id {seq_id!r}; live ids: {sorted(self._seqs)}"
+                             + (" (it is swapped out: swap_in first)" if seq_id in self._swapped else "")
+                             ) from None
+
+    def _get_swapped(self, seq_id: int) -> _Sequence:
+        try:
+            return self._swapped[seq_id]
+        except KeyError:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out; swapped ids: "
+                             f"{sorted(self._swapped)}") from None
 
     def _last_block_is_shared_and_partial(self, seq: _Sequence) -> bool:
         partial = seq.num_tokens % self.block_size != 0

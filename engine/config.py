@@ -2,7 +2,9 @@
 
 Every config is a plain dataclass with units in its field names and a `__post_init__` that checks
 each value and says what to change when it is wrong. `ModelConfig` is read from a Hugging Face
-`config.json`; the others describe how the engine runs it (later chapters add fields).
+`config.json`, or taken from `MODEL_PRESETS` (published models, for the arithmetic of
+engine/memory.py and engine/roofline.py); the others describe how the engine runs it (later
+chapters add fields).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    name: str | None = None  # a label for tables and figures, e.g. a preset's name; the model ignores it
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -127,16 +130,40 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id"),
         )
 
-    def num_params(self) -> int:
-        """Parameter count of the decoder (embeddings included once when tied)."""
+    def param_breakdown(self) -> dict[str, int]:
+        """Parameters by part; `num_params` and engine/memory.py's byte counts both add these up.
+
+        Per layer: the q/k/v/o projections (and their biases), gate/up/down (and theirs), two RMSNorms.
+        """
         E, D, H, Hkv, F = (self.hidden_size, self.head_dim, self.num_attention_heads,
                            self.num_key_value_heads, self.intermediate_size)
-        attn = E * H * D + 2 * E * Hkv * D + H * D * E
-        attn += (H * D + 2 * Hkv * D) * self.qkv_bias + E * self.o_bias
-        mlp = 3 * E * F + (2 * F + E) * self.mlp_bias
-        per_layer = attn + mlp + 2 * E
-        head = 0 if self.tie_word_embeddings else self.vocab_size * E
-        return self.vocab_size * E + self.num_hidden_layers * per_layer + E + head
+        q_out, kv_out = H * D, Hkv * D
+        attention = E * q_out + 2 * E * kv_out + q_out * E  # Wq [E, H*D], Wk, Wv [E, Hkv*D], Wo [H*D, E]
+        attention += (q_out + 2 * kv_out) * self.qkv_bias + E * self.o_bias
+        mlp = 3 * E * F + (2 * F + E) * self.mlp_bias  # gate, up [E, F], down [F, E]
+        L, V = self.num_hidden_layers, self.vocab_size
+        return {
+            "embedding": V * E,
+            "attention": L * attention,
+            "mlp": L * mlp,
+            "norms": L * 2 * E + E,  # input + post-attention norm per layer, final norm
+            "lm_head": 0 if self.tie_word_embeddings else V * E,  # tied: reuses the embedding
+        }
+
+    def num_params(self) -> int:
+        """Parameter count of the decoder (what a model card calls "8B"; embeddings once when tied)."""
+        return sum(self.param_breakdown().values())
+
+    def matmul_params(self) -> int:
+        """Parameters that multiply every token: the layers' projections and the LM head.
+
+        The embedding is a lookup (no FLOPs); norms and biases are elementwise (few FLOPs).
+        The LM head is an [E, V] matmul even when its weights are tied to the embedding.
+        """
+        E, D, F = self.hidden_size, self.head_dim, self.intermediate_size
+        H, Hkv = self.num_attention_heads, self.num_key_value_heads
+        per_layer = 2 * E * H * D + 2 * E * Hkv * D + 3 * E * F
+        return self.num_hidden_layers * per_layer + E * self.vocab_size
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
@@ -144,24 +171,84 @@ def _arch_from_model_type(model_type: str | None) -> str:
     return table.get(model_type or "", f"<model_type {model_type!r}>")
 
 
+# Published shapes: each keyword is the config.json field of the model on the Hugging Face Hub that
+# the number was copied from (head_dim, where a config.json leaves it out, is hidden_size //
+# num_attention_heads, written here so every factor of the KV formula is in sight). Only the fields
+# that decide sizes are set (rope and norm settings keep our defaults): enough for every count in
+# engine/memory.py and engine/roofline.py, and to build the model on the `meta` device, not to load
+# its real weights. The configs are shared: change a copy (`dataclasses.replace(MODEL_PRESETS[name],
+# ...)`), never a preset in place.
+MODEL_PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
+    # meta-llama/Llama-2-7b-hf: no GQA yet (num_key_value_heads == num_attention_heads).
+    ModelConfig(name="Llama-2-7B", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                max_position_embeddings=4096, tie_word_embeddings=False),
+    # meta-llama/Meta-Llama-3-8B: GQA with 8 KV heads, a 128k-token vocabulary.
+    ModelConfig(name="Llama-3-8B", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=8192, tie_word_embeddings=False),
+    # meta-llama/Meta-Llama-3-70B
+    ModelConfig(name="Llama-3-70B", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=8192, tie_word_embeddings=False),
+    # mistralai/Mistral-7B-v0.1: sliding_window = 4096 in its config.json.
+    ModelConfig(name="Mistral-7B-v0.1", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=32768, tie_word_embeddings=False, sliding_window=4096,
+                architecture="MistralForCausalLM"),
+    # Qwen/Qwen2.5-7B(-Instruct): Qwen2ForCausalLM, so q/k/v carry a bias; use_sliding_window false.
+    # max_position_embeddings is 32768 in the Instruct config.json (the base one says 131072).
+    ModelConfig(name="Qwen2.5-7B", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                max_position_embeddings=32768, tie_word_embeddings=False, qkv_bias=True,
+                architecture="Qwen2ForCausalLM"),
+    # HuggingFaceTB/SmolLM2-135M: tie_word_embeddings true, head_dim = 576 // 9 = 64 (not written).
+    ModelConfig(name="SmolLM2-135M", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                max_position_embeddings=8192, tie_word_embeddings=True),
+)}
+
+
+# The KV budget when neither num_blocks nor kv_cache_memory_bytes is given. vLLM's CPU backend
+# sizes its KV cache by VLLM_CPU_KVCACHE_SPACE, 4 GiB unless set; we follow it, and read
+# SERVELAB_KVCACHE_SPACE (GiB, like vLLM's variable) to change it (engine/kv_pool.py).
+DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * 2**30
+KVCACHE_SPACE_ENV = "SERVELAB_KVCACHE_SPACE"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class CacheConfig:
-    """How the KV cache is laid out (chapters 03-04)."""
+    """How the KV cache is laid out and how big it is (chapters 03-04).
+
+    Size, in this order: `num_blocks` (an exact block count), or `kv_cache_memory_bytes` (vLLM's
+    absolute KV budget: as many blocks as fit), or, with neither, the smaller of what
+    max_num_seqs requests of the model's full context need and DEFAULT_KV_CACHE_MEMORY_BYTES
+    ($SERVELAB_KVCACHE_SPACE GiB when set). Give one of the two, not both.
+    """
 
     block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # None: derived from max_num_seqs * max_model_len
+    num_blocks: int | None = None  # an exact count; None: sized by bytes (see above)
+    kv_cache_memory_bytes: int | None = None  # KV budget in bytes; None: see above
     sliding_window: int | None = None
     swap_space_blocks: int | None = None  # CPU-side pool for swap preemption; None: as many as num_blocks
 
     def __post_init__(self) -> None:
-        _require(self.block_size >= 1 and math.log2(self.block_size).is_integer(),
-                 f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.num_blocks is not None:
-            _require(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.swap_space_blocks is not None:
-            _require(self.swap_space_blocks >= 0,
-                     f"swap_space_blocks must be >= 0 (or None: as many as num_blocks), "
-                     f"got {self.swap_space_blocks}")
+        _require(_is_int(self.block_size) and self.block_size >= 1 and math.log2(self.block_size).is_integer(),
+                 f"block_size must be a power-of-two integer (1, 2, 4, 8, 16, ...), got {self.block_size!r}")
+        for name, low, none_means in (("num_blocks", 1, "size the cache by bytes"),
+                                      ("kv_cache_memory_bytes", 1, "the default budget"),
+                                      ("swap_space_blocks", 0, "as many as num_blocks"),
+                                      ("sliding_window", 1, "no window")):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value >= low),
+                     f"{name} must be an integer >= {low} or None ({none_means}), got {value!r}")
+        _require(self.num_blocks is None or self.kv_cache_memory_bytes is None,
+                 f"num_blocks={self.num_blocks} and kv_cache_memory_bytes={self.kv_cache_memory_bytes} "
+                 "both size the KV cache: give only one of them")
 
 
 @dataclass

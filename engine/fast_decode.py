@@ -71,9 +71,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.model import LlamaModel, causal_mask
-from engine.naive import GenerationResult, encode_prompt, eos_ids, run_loop
+from engine.naive import GenerationResult, run_loop
 from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 
 # Attention (scores, softmax, weighted sum) runs in fp32 whatever the model dtype, as the reference's
 # SDPA kernel does inside. Rounding the scores to bf16 (8 bits of mantissa) moved a score of ~50 by

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from engine.model import LlamaModel, causal_mask, repeat_kv
-from engine.naive import GenerationResult, encode_prompt, eos_ids, run_loop
+from engine.naive import GenerationResult, run_loop
 from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 
 GROW_CHUNK_TOKENS = 256  # grow the cache by whole chunks, so reallocation is rare
 

@@ -11,6 +11,8 @@ statically, if asked), and the outputs come back in the order of the prompts.
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +23,7 @@ from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
+from engine.trace import StepReport
 
 
 @dataclass
@@ -30,8 +33,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while unfinished
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while unfinished
     logprobs: list[TokenLogprobs] | None = None  # one per token, when SamplingParams.logprobs was set
+    error: str | None = None  # with finish_reason "error": the exception of the step that failed it
 
 
 @dataclass
@@ -67,7 +71,7 @@ class RequestOutput:
         """The output of a request (sample 0, holding its n samples in `req.samples`)."""
         samples = req.samples or [req]
         outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason,
-                                    list(s.logprobs) if s.params.logprobs is not None else None)
+                                    list(s.logprobs) if s.params.logprobs is not None else None, s.error)
                    for s in samples]
         finished = all(s.is_finished for s in samples)
         finish_time = max(s.finish_time for s in samples) if finished else None
@@ -97,31 +101,76 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (one text, a list of texts, one list of token ids, or a list of
-        them) with one SamplingParams for all or one per prompt; outputs in the prompts' order."""
+        them) with one SamplingParams for all or one per prompt; outputs in the prompts' order.
+
+        A bad prompt raises (naming prompts[i]) before anything runs, and the call changes nothing. A
+        step that fails does not end the call: we warn once per failed step, its requests come back
+        with finish_reason "error" (and `error`), all the others with their normal outputs."""
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
         engine, ids = self.engine, []
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
                 ids.append(engine.add_request(prompt, sp))
-        except Exception:  # one bad prompt: the call changes nothing, the ones already added are dropped
-            for rid in ids:
-                engine.abort_request(rid)
-                engine.pop_request(rid)
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
+                while engine.has_unfinished_requests():
+                    bar.update(len(_step_or_warn(engine).queues.finished))
+        except BaseException as exc:  # a bad prompt, or Ctrl-C: the engine forgets this call's requests
+            self._drop(ids)
+            if type(exc) in (ValueError, TypeError) and len(ids) < len(prompts):  # prompts[len(ids)] failed
+                raise type(exc)(f"prompts[{len(ids)}]: {exc}") from exc
             raise
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
-            while engine.has_unfinished_requests():
-                report = engine.step()
-                bar.update(len(report.queues.finished))
         return [RequestOutput.from_request(engine.pop_request(rid)) for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation ([{"role": "user", "content": ...}, ...]) or a list of them (vLLM's name).
+
+        Each conversation goes through the model's chat template into prompt text, which we tokenize
+        as it stands (add_special_tokens=False: the template writes any BOS it wants itself); the
+        outputs carry that text as `prompt`, one per conversation, in order."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer (for its chat template); this LLM has none")
+        if not messages:
+            raise ValueError("messages is empty; pass [{'role': 'user', 'content': ...}] or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(ids, params, use_tqdm)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
+
+    def _drop(self, ids: list[str]) -> None:
+        for rid in ids:
+            if any(not s.is_finished for s in self.engine.get_request(rid).samples):
+                self.engine.abort_request(rid)
+            self.engine.pop_request(rid)
+
+
+def _step_or_warn(engine: LLMEngine) -> StepReport:
+    """One engine step. A step that raised after running someone is a warning here, not the end of the
+    call: the engine finished the requests it ran with reason "error" and the others go on."""
+    num_steps = len(engine.trace)
+    try:
+        return engine.step()
+    except Exception as exc:
+        report = engine.trace[-1] if len(engine.trace) == num_steps + 1 else None
+        failed = [] if report is None else [r for r, why in report.queues.finished.items() if why == "error"]
+        if not failed:  # it failed before running anyone: going on would fail the same way forever
+            raise
+        warnings.warn(f"LLM.generate: a step raised {type(exc).__name__}: {exc}; requests {failed} finished "
+                      "with finish_reason='error', the others go on", RuntimeWarning, stacklevel=3)
+        return report
 
 
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
+    if any(isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0 for t in prompts):
+        return [prompts]  # one prompt given as token ids (the engine checks every one of them)
     return prompts
 
 

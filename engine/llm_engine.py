@@ -10,33 +10,43 @@ One `step()`:  schedule ──► move blocks (swap / copy) ──► ONE packed
 append tokens, check stops, free finished requests' blocks ──► StepReport.
 
 Documented behaviours:
-- `add_request` rejects, with a ValueError and nothing allocated or registered: an empty prompt,
-  a prompt of max_position_embeddings tokens or more, a duplicate request id, and a request that
-  could not fit in the whole KV pool even alone. `max_tokens` is CLAMPED so that prompt + max_tokens
+- `add_request` rejects, with a ValueError or TypeError that names the request and nothing
+  allocated or registered: a prompt that is not a non-empty list of token ids in [0, vocab_size)
+  (ints or numpy / torch integer scalars; see `engine.request.validate_token_ids`), text without a
+  tokenizer, stop_token_ids outside the vocabulary, a prompt of max_position_embeddings tokens or
+  more, a duplicate request id, a priority that is not an int, and a request that could not fit in
+  the whole KV pool even alone. `max_tokens` is CLAMPED so that prompt + max_tokens
   <= max_position_embeddings (what `engine.naive` does: generation stops at the context with
   finish_reason "length"). n > max_num_seqs is rejected (the samples could never run together).
 - n > 1: the request's samples are sequences "<id>", "<id>#1", ..., forked from the prompt's
   blocks at the first token (see engine/request.py); `abort_request("<id>")` stops them all.
-- `abort_request` of an unknown or already finished id is a no-op: it warns and returns False.
+- `abort_request("<id>")` stops every unfinished sample, even when sample 0 has finished already;
+  it warns and returns False only when nothing of the request was left to stop (unknown id, or all
+  finished).
+- A step that raises (a bug, out of memory in the forward) does not kill the engine: every sequence
+  it ran is finished with finish_reason "error" (`Request.error` keeps the exception), its blocks are
+  freed, the step is recorded with a "finished" event of reason "error", and the exception is raised
+  once; the next `step()` serves everyone else as if nothing had happened.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_pool import PagedKVPool, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
-from engine.naive import encode_prompt, eos_ids
-from engine.request import Request
+from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import PagedAttention, build_batch, run_model
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepReport, TimeSplit, Trace
 
 
@@ -70,16 +80,20 @@ class LLMEngine:
             raise ValueError(f"model has sliding_window={cfg.sliding_window}: the paged engine attends over "
                              "the whole context; use engine.kv_cache.generate_cached(..., window=...)")
         self.max_model_len = cfg.max_position_embeddings
-        block_size, cache = config.cache.block_size, config.cache
-        blocks_per_seq = math.ceil(self.max_model_len / block_size)
-        num_blocks = cache.num_blocks or config.scheduler.max_num_seqs * blocks_per_seq
+        cache, weight = config.cache, model.embed_tokens.weight
+        num_blocks = plan_num_blocks(cfg, cache, config.scheduler.max_num_seqs, weight.dtype)  # sized by bytes
         swap_blocks = 0
         if config.scheduler.preemption_mode == "swap":
             swap_blocks = num_blocks if cache.swap_space_blocks is None else cache.swap_space_blocks
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, swap_blocks)
-        self.attention = PagedAttention(model, num_blocks, block_size, swap_blocks, config.attention_backend)
-        self.device = model.embed_tokens.weight.device
+        # The block manager owns every table (device and swap), the KV pool every tensor and copy,
+        # the scheduler only decides; attention reads and writes through the pool.
+        self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.kv_pool = PagedKVPool.for_model(cfg, num_blocks, cache.block_size, weight.dtype, weight.device,
+                                             swap_blocks)
+        self.attention = PagedAttention(self.kv_pool, config.attention_backend)
+        log_kv_cache(self.kv_pool, self.max_model_len)
+        self.device = weight.device
         self.eos = eos_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
@@ -106,19 +120,22 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
                     arrival_time: float | None = None) -> str:
         """Queue a request (text or token ids); returns its id. What is rejected: see the module docstring."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         request_id = str(self._num_requests if request_id is None else request_id)
+        where = f"request {request_id!r}"
+        params = self._checked_options(params, priority, tenant, arrival_time, where)
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]  # one per sample
         if any(i in self.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use; pick another or leave it None")
         if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={params.n} samples could never run together with "
+            raise ValueError(f"{where}: SamplingParams.n={params.n} samples could never run together with "
                              f"max_num_seqs={self.config.scheduler.max_num_seqs}; lower n or raise "
                              "max_num_seqs")
-        prompt_ids = encode_prompt(prompt, self.tokenizer, self.max_model_len)
+        prompt_ids = self._prompt_ids(prompt, where)
         params = self._clamp(params, len(prompt_ids))
-        self._check_fits_in_pool(len(prompt_ids) + params.max_tokens - 1)  # the last token is never fed
-        arrival = self.clock() if arrival_time is None else arrival_time
+        self._check_fits_in_pool(len(prompt_ids) + params.max_tokens - 1, where)  # the last token is never fed
+        arrival = self.clock() if arrival_time is None else float(arrival_time)
+        priority = int(priority)  # a numpy int would not go into the JSON trace
         text = prompt if isinstance(prompt, str) else None
         samples = [Request(rid, self._next_seq_id + i, text, prompt_ids, _sample_params(params, i), arrival,
                            priority, tenant, self.tokenizer.detokenizer() if self.tokenizer else None,
@@ -137,16 +154,18 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request (all its samples; "<id>#i" stops sample i only) and free all its blocks at
-        once. Unknown or already finished id: a warning, and False."""
+        """Stop a request (every unfinished sample, even if sample 0 is done; "<id>#i" stops sample i
+        only) and free all its blocks at once. Nothing left to stop: a warning, and False."""
         req = self.requests.get(str(request_id))
-        if req is None or req.is_finished:
+        group = [] if req is None else (req.samples or [req]) if req.index == 0 else [req]
+        targets = [s for s in group if not s.is_finished]
+        if not targets:
             state = "unknown" if req is None else "already finished"
             warnings.warn(f"abort_request({request_id!r}): {state} request id, nothing to abort",
                           stacklevel=2)
             return False
-        now, head = self.clock(), req.samples[0]
-        for seq in [s for s in req.samples if not s.is_finished] if req is head else [req]:
+        now, head = self.clock(), req.samples[0] if req.samples else req
+        for seq in targets:
             if seq in head.pending_forks:
                 head.pending_forks.remove(seq)
             self.scheduler.finish(seq)
@@ -179,10 +198,39 @@ class LLMEngine:
             return params
         return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
-    def _check_fits_in_pool(self, num_tokens: int) -> None:
+    def _checked_options(self, params, priority, tenant, arrival_time, where: str) -> SamplingParams:
+        """Check what the scheduler will sort by or look up NOW: a None priority would make every later
+        step's sort raise. Returns params with its stop_token_ids as plain, checked ints."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: params must be a SamplingParams (or None), got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"{where}: priority must be an int (lower is served first), got {priority!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"{where}: tenant must be a str or None, got {type(tenant).__name__} {tenant!r}")
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"{where}: arrival_time must be a finite number of seconds on the engine's clock "
+                             f"(or None for now), got {arrival_time!r}")
+        stops = validate_token_ids(params.stop_token_ids, self.model.config.vocab_size,
+                                   f"{where}: SamplingParams.stop_token_ids", allow_empty=True)
+        return dataclasses.replace(params, stop_token_ids=stops)
+
+    def _prompt_ids(self, prompt, where: str) -> list[int]:
+        """The prompt's token ids, each checked by `validate_token_ids`: token ids before encoding (the
+        encoder's int() would turn 5.7 into 5), a tokenizer's ids after (its vocabulary may be larger)."""
+        vocab = self.model.config.vocab_size
+        if not isinstance(prompt, str):
+            prompt = validate_token_ids(prompt, vocab, f"{where}: prompt")
+        try:
+            ids = encode_prompt(prompt, self.tokenizer, self.max_model_len)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        return validate_token_ids(ids, vocab, f"{where}: prompt (tokenized)")
+
+    def _check_fits_in_pool(self, num_tokens: int, where: str = "request") -> None:
         need, have = self.block_manager.blocks_for(num_tokens), self.block_manager.allocator.num_blocks
         if need > have:
-            raise ValueError(f"request needs up to {need} KV blocks ({num_tokens} tokens) but the pool has "
+            raise ValueError(f"{where} needs up to {need} KV blocks ({num_tokens} tokens) but the pool has "
                              f"only num_blocks={have}: lower max_tokens, shorten the prompt, "
                              "or raise num_blocks")
 
@@ -196,16 +244,54 @@ class LLMEngine:
             raise RuntimeError(f"the scheduler found nothing to run with {len(s.waiting)} waiting, "
                                f"{len(s.running)} running, {len(s.swapped)} swapped")
         time_s = TimeSplit(schedule=time.perf_counter() - t0)
-        sampled = self._forward_and_sample(sched, time_s)
-        queues, blocks = self._queue_snapshot(), self._block_snapshot()  # before finished ones free blocks
-        scheduled, finish_events = self._update(sched, sampled, start)
+        at_risk = [r for w in sched.work for r in (w.request, *w.request.pending_forks)]
+        try:
+            sampled = self._forward_and_sample(sched, time_s)
+            queues, blocks = self._queue_snapshot(), self._block_snapshot()  # before finished ones free blocks
+            scheduled, finish_events = self._update(sched, sampled, start)
+        except BaseException as exc:  # even Ctrl-C: the queues must stay consistent for the next step
+            self._fail_step(sched, at_risk, exc, start, t0, time_s)
+            raise
+        return self._record(start, t0, time_s, scheduled, queues, blocks, sched.events + finish_events)
+
+    def _record(self, start: float, t0: float, time_s: TimeSplit, scheduled: list[ScheduledRequest],
+                queues: QueueSnapshot, blocks: BlockSnapshot, step_events: list[dict]) -> StepReport:
+        """Close the step: its report (with the arrivals and aborts made since the last one) into the trace."""
         queues.finished, self._finished = {**self._finished}, {}
-        events, self._events = self._events + sched.events + finish_events, []
+        events, self._events = self._events + step_events, []
         report = StepReport(self._num_steps, start, self.clock(), time_s, scheduled, queues, blocks, events)
         self._num_steps += 1
         time_s.other = max(0.0, time.perf_counter() - t0 - time_s.total)
         self.trace.append(report)
         return report
+
+    def _fail_step(self, sched: SchedulerOutput, at_risk: list[Request], exc: BaseException, start: float,
+                   t0: float, time_s: TimeSplit) -> None:
+        """The step raised: nobody knows which of its K/V writes and tokens happened, so every sequence it
+        ran (and the samples waiting to fork from them) ends with reason "error" and gives its blocks back.
+
+        The step may also have swapped victims out; their copy to the CPU pool may not have happened, so
+        they go back to `waiting` to be recomputed (always right, at the price of a prefill). Everyone
+        else is untouched, and the next step serves them as usual. The caller re-raises."""
+        queues, blocks = self._queue_snapshot(), self._block_snapshot()
+        now, error, events = self.clock(), f"{type(exc).__name__}: {exc}", []
+        for req in [r for r in at_risk if not r.is_finished]:
+            head = req.samples[0] if req.samples else req
+            if req in head.pending_forks:
+                head.pending_forks.remove(req)
+            self.scheduler.finish(req)
+            req.finish("error", now)
+            req.error = error
+            self._finished[req.request_id] = "error"
+            events.append({"type": "finished", "request_id": req.request_id, "reason": "error", "error": error})
+        for e in sched.events:
+            victim = self.requests.get(e["request_id"]) if e.get("mode") == "swap" else None
+            if victim is not None and victim.status == SWAPPED:
+                self.scheduler.finish(victim)  # out of `swapped`, its CPU blocks freed
+                victim.num_computed_tokens = 0
+                self.scheduler.add(victim)  # back to waiting, like a recompute preemption
+        scheduled = [ScheduledRequest(w.request.request_id, w.phase, w.start, w.end, 0) for w in sched.work]
+        self._record(start, t0, time_s, scheduled, queues, blocks, sched.events + events)
 
     def _forward_and_sample(self, sched: SchedulerOutput, time_s: TimeSplit) -> dict[Request, tuple]:
         """Move blocks, run the packed forward, sample; returns request -> (token, logprobs).
@@ -216,7 +302,7 @@ class LLMEngine:
         if not sched.work:
             return {}
         t0 = time.perf_counter()
-        self.attention.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
+        self.kv_pool.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
         input_ids, positions, meta = build_batch(sched.work, self.block_manager, self.device)
         logits = run_model(self.model, self.attention, input_ids, positions, meta)  # [S, V]
         t1 = time.perf_counter()
@@ -275,14 +361,14 @@ class LLMEngine:
                              [r.request_id for r in s.swapped], preempted)
 
     def _block_snapshot(self) -> BlockSnapshot:
-        bm, usage, pool = self.block_manager, self.block_manager.usage(), self.scheduler.swap_pool
+        bm, usage, swap = self.block_manager, self.block_manager.usage(), self.block_manager.swap_usage()
         live = [r for r in self.scheduler.running if r.seq_id in bm]
         return BlockSnapshot(
             total=usage.total_blocks, used=usage.used_blocks, free=usage.free_blocks, cached=0,
             block_size=bm.block_size, wasted_slots=usage.wasted_slots,
             tables={r.request_id: bm.block_table(r.seq_id) for r in live},
             num_tokens={r.request_id: bm.num_tokens(r.seq_id) for r in live},
-            swap_total=pool.num_blocks if pool else 0, swap_used=pool.num_used if pool else 0)
+            swap_total=swap.total_blocks, swap_used=swap.used_blocks)
 
     def _config_dict(self, num_blocks: int, swap_blocks: int) -> dict:
         cfg = self.model.config
@@ -292,7 +378,8 @@ class LLMEngine:
                       "max_position_embeddings": cfg.max_position_embeddings},
             "dtype": self.config.dtype, "attention_backend": self.attention.backend,
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
-                      "swap_space_blocks": swap_blocks},
+                      "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
+                      "swap_space_bytes": self.kv_pool.swap_nbytes},
             "scheduler": {**dataclasses.asdict(self.config.scheduler),
                           "token_budget": self.scheduler.token_budget},
         }

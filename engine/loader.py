@@ -4,7 +4,10 @@
     ├── config.json                      -> ModelConfig
     ├── model.safetensors                -> weights (or model.safetensors.index.json + shards)
     ├── tokenizer.json                   -> engine.tokenizer.Tokenizer (optional)
-    └── tokenizer_config.json            -> which tokens are BOS/EOS/PAD (optional)
+    └── tokenizer_config.json            -> which tokens are BOS/EOS/PAD, the chat template (optional)
+
+A llama.cpp *.gguf file (or the packaged "smollm2-135m-instruct") is first converted once into
+such a folder in a cache (engine/gguf.py), then loaded like any other.
 
 Weights are matched through an explicit name table (`hf_weight_names`), so a reader sees exactly
 which tensor of the checkpoint lands in which parameter, and every mismatch gets a precise error.
@@ -35,14 +38,21 @@ def bundled_model_path(name: str) -> Path:
 
 
 def resolve_model_path(path_or_name: str | Path) -> Path:
+    """A folder to load: the path itself, a bundled model, or the cached conversion of a GGUF file
+    (a packaged model such as "smollm2-135m-instruct", or a path ending in .gguf; see engine/gguf.py)."""
+    from engine import gguf  # imported here: only GGUF models pay for the `gguf` package's import
+
     path = Path(path_or_name)
     if not path.exists() and bundled_model_path(str(path_or_name)).exists():
         path = bundled_model_path(str(path_or_name))
+    if str(path_or_name) in gguf.PACKAGED_MODELS or (path.is_file() and path.suffix == ".gguf"):
+        return gguf.gguf_model_folder(path_or_name)
     if not path.is_dir():
         bundled = sorted(p.name for p in BUNDLED_MODELS_DIR.glob("*") if p.is_dir())
         raise FileNotFoundError(
             f"model directory {str(path_or_name)!r} does not exist. Pass a local Hugging Face-format folder "
-            f"(config.json + *.safetensors + tokenizer.json) or a bundled model name: {bundled}")
+            f"(config.json + *.safetensors + tokenizer.json), a *.gguf file, a bundled model name {bundled} "
+            f"or a packaged one {sorted(gguf.PACKAGED_MODELS)}")
     return path
 
 
@@ -67,7 +77,19 @@ def read_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} has no config.json; a Hugging Face-format model directory needs one")
-    return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    try:
+        d = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e}); fix the file or re-download it") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object (a dict of fields such as hidden_size), "
+                         f"found a {type(d).__name__}")
+    try:
+        return ModelConfig.from_hf_dict(d)
+    except KeyError as e:
+        raise ValueError(f"{cfg_file} lacks the field {e.args[0]!r}, which a Llama-family config needs") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -126,7 +148,8 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype = torch.float3
 
 
 def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, Tokenizer | None]:
-    """Load `(model, tokenizer)` from a local Hugging Face-format folder or a bundled model name.
+    """Load `(model, tokenizer)` from a local Hugging Face-format folder, a bundled model name, a *.gguf
+    file or a packaged GGUF model ("smollm2-135m-instruct": converted once into a cache folder).
 
     The tokenizer is None (with a warning) when the folder has no tokenizer.json.
     """

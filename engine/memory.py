@@ -1,10 +1,10 @@
 """Where the GPU's memory goes: weights, the KV cache and activations, counted in bytes.
 
 Chapters 02 and 03 ("KV Cache 的形状与容量" in the text) lean on this file. It knows nothing of
-the engine's model code: a model is described by a small `ModelShape` (the numbers you read off a
-Hugging Face `config.json`), and everything here is arithmetic on those numbers. That lets a
-notebook ask "how many 8k-token chats of Llama-3-8B fit on an 80 GB card?" without downloading
-a single weight.
+the engine's model code: a model is described by its `ModelConfig` (the numbers you read off a
+Hugging Face `config.json`; `engine.config.MODEL_PRESETS` holds published ones), and everything here
+is arithmetic on those numbers. That lets a notebook ask "how many 8k-token chats of Llama-3-8B fit
+on an 80 GB card?" without downloading a single weight.
 
 The three consumers of GPU memory while serving, from the largest (usually) to the smallest:
 
@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from engine.config import ModelConfig
 
 # Bytes per element for the dtypes a serving stack meets. int4 packs two values in a byte.
 # (Quantized formats also carry scales and zero points; we leave those out: they add a few
@@ -102,138 +104,45 @@ def kv_cache_bytes(layers: int, batch: int, tokens: int, kv_heads: int, head_dim
     return 2 * layers * batch * tokens * kv_heads * head_dim * half_bytes // 2
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers that decide a Llama-family model's size, as read from its config.json.
+def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype) -> int:
+    """Bytes of one paged KV block: the formula with B = 1 and T = block_size (K and V, every layer)."""
+    return kv_cache_bytes(model_config.num_hidden_layers, 1, block_size, model_config.num_key_value_heads,
+                          model_config.head_dim, dtype_bytes(dtype))
 
-    `head_dim` is usually hidden // heads but some models set it on its own, so it is a field.
-    `qkv_bias` (Qwen2) adds a bias to the q, k and v projections; `sliding_window`
-    (Mistral) caps how many past tokens each layer attends to, and so how many we must cache.
+
+def num_kv_blocks(model_config: ModelConfig, block_size: int, dtype, budget_bytes: int) -> int:
+    """How many whole KV blocks fit in `budget_bytes` (0 when not even one does).
+
+        blocks = budget_bytes // (2 * L * block_size * Hkv * D * b)
+
+    SmolLM2-135M in fp32 (L 30, Hkv 3, D 64, b 4) with 16-token blocks: 737 280 bytes a block,
+    so 4 GiB holds 5825 blocks = 93 200 tokens, about 11 requests of its 8192-token context.
     """
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied_embeddings: bool
-    max_context: int
-    qkv_bias: bool = False
-    sliding_window: int | None = None
-
-    def __post_init__(self) -> None:
-        for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
-                      "max_context"):
-            _check_positive_int(f"ModelShape {self.name!r}", field, getattr(self, field))
-        if self.heads % self.kv_heads:
-            raise ValueError(f"ModelShape {self.name!r}: kv_heads must divide heads={self.heads} "
-                             f"(each KV head serves a whole group of query heads), got {self.kv_heads}")
-        if self.sliding_window is not None:
-            _check_positive_int(f"ModelShape {self.name!r}", "sliding_window", self.sliding_window)
-
-    def param_breakdown(self) -> dict[str, int]:
-        """Parameters by part. Per layer: q/k/v/o projections, gate/up/down, two RMSNorms."""
-        E, I, D = self.hidden, self.intermediate, self.head_dim
-        q_out, kv_out = self.heads * D, self.kv_heads * D
-        attention = E * q_out + 2 * E * kv_out + q_out * E  # Wq [E, H*D], Wk, Wv [E, Hkv*D], Wo [H*D, E]
-        bias = (q_out + 2 * kv_out) if self.qkv_bias else 0
-        mlp = 3 * E * I  # gate and up [E, I], down [I, E]
-        return {
-            "embedding": self.vocab * E,
-            "attention": self.layers * (attention + bias),
-            "mlp": self.layers * mlp,
-            "norms": self.layers * 2 * E + E,  # input + post-attention norm per layer, final norm
-            "lm_head": 0 if self.tied_embeddings else self.vocab * E,  # tied: reuses the embedding
-        }
-
-    def num_params(self) -> int:
-        """Total parameter count (what a model card calls "8B")."""
-        return sum(self.param_breakdown().values())
-
-    def matmul_params(self) -> int:
-        """Parameters that multiply every token: the layers' projections and the LM head.
-
-        The embedding is a lookup (no FLOPs); norms and biases are elementwise (few FLOPs).
-        The LM head is a [E, V] matmul even when its weights are tied to the embedding.
-        """
-        E, D = self.hidden, self.head_dim
-        per_layer = 2 * E * self.heads * D + 2 * E * self.kv_heads * D + 3 * E * self.intermediate
-        return self.layers * per_layer + E * self.vocab
-
-    @classmethod
-    def from_hf_config(cls, config: dict, name: str | None = None) -> ModelShape:
-        """Build a shape from a Hugging Face config.json (already parsed into a dict)."""
-        required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                    "vocab_size", "max_position_embeddings")
-        missing = [key for key in required if key not in config]
-        if missing:
-            raise ValueError(f"ModelShape.from_hf_config: config.json lacks field(s) {missing}")
-        heads = config["num_attention_heads"]
-        window = config.get("sliding_window")
-        if not config.get("use_sliding_window", True):  # Qwen2 writes a window but switches it off
-            window = None
-        return cls(
-            name=name or config.get("_name_or_path") or config.get("model_type", "unnamed"),
-            layers=config["num_hidden_layers"],
-            hidden=config["hidden_size"],
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,  # absent: plain multi-head attention
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate=config["intermediate_size"],
-            vocab=config["vocab_size"],
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_context=config["max_position_embeddings"],
-            qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-            sliding_window=window,
-        )
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"num_kv_blocks: budget_bytes must be an int >= 0, got {budget_bytes!r}")
+    return budget_bytes // kv_block_bytes(model_config, block_size, dtype)
 
 
-# Published shapes, copied from each model's config.json on the Hugging Face Hub. Field order in
-# every entry: layers = num_hidden_layers, hidden = hidden_size, heads = num_attention_heads,
-# kv_heads = num_key_value_heads, head_dim = hidden_size // num_attention_heads,
-# intermediate = intermediate_size, vocab = vocab_size, tied_embeddings = tie_word_embeddings,
-# max_context = max_position_embeddings.
-PRESETS: dict[str, ModelShape] = {
-    # meta-llama/Llama-2-7b-hf: no GQA yet (num_key_value_heads == num_attention_heads).
-    "Llama-2-7B": ModelShape("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096),
-    # meta-llama/Meta-Llama-3-8B: GQA with 8 KV heads, a 128k-token vocabulary.
-    "Llama-3-8B": ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, False, 8192),
-    # meta-llama/Meta-Llama-3-70B
-    "Llama-3-70B": ModelShape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256, False, 8192),
-    # mistralai/Mistral-7B-v0.1: sliding_window = 4096 in its config.json.
-    "Mistral-7B-v0.1": ModelShape("Mistral-7B-v0.1", 32, 4096, 32, 8, 128, 14336, 32000, False, 32768,
-                                  sliding_window=4096),
-    # Qwen/Qwen2.5-7B(-Instruct): model_type qwen2, so q/k/v carry a bias; use_sliding_window false.
-    # max_position_embeddings is 32768 in the Instruct config.json (the base one says 131072).
-    "Qwen2.5-7B": ModelShape("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064, False, 32768,
-                             qkv_bias=True),
-    # HuggingFaceTB/SmolLM2-135M: tie_word_embeddings true, head_dim = 576 // 9 = 64.
-    "SmolLM2-135M": ModelShape("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, True, 8192),
-}
-
-
-def weight_bytes(shape: ModelShape, dtype) -> int:
+def weight_bytes(config: ModelConfig, dtype) -> int:
     """Bytes to hold all the weights in `dtype` (quantization scales not counted)."""
-    return math.ceil(shape.num_params() * dtype_bytes(dtype))
+    return math.ceil(config.num_params() * dtype_bytes(dtype))
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype) -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
     """KV bytes one token adds to one sequence's cache: the formula with B = T = 1."""
-    return kv_cache_bytes(shape.layers, 1, 1, shape.kv_heads, shape.head_dim, dtype_bytes(dtype))
+    return kv_cache_bytes(config.num_hidden_layers, 1, 1, config.num_key_value_heads, config.head_dim,
+                          dtype_bytes(dtype))
 
 
-def cached_tokens_per_sequence(shape: ModelShape, context_tokens: int) -> int:
+def cached_tokens_per_sequence(config: ModelConfig, context_tokens: int) -> int:
     """Tokens one sequence keeps in its cache: all of them, or the last `sliding_window`."""
     _check_positive_int("cached_tokens_per_sequence", "context_tokens", context_tokens)
-    if shape.sliding_window is None:
+    if config.sliding_window is None:
         return context_tokens
-    return min(context_tokens, shape.sliding_window)
+    return min(context_tokens, config.sliding_window)
 
 
-def activation_breakdown(shape: ModelShape, tokens: int, dtype) -> dict[str, int]:
+def activation_breakdown(config: ModelConfig, tokens: int, dtype) -> dict[str, int]:
     """The largest transient buffers of one forward over `tokens` tokens (all sequences together).
 
     Layers run one after another, so only one layer's buffers are alive at a time; per layer:
@@ -250,20 +159,21 @@ def activation_breakdown(shape: ModelShape, tokens: int, dtype) -> dict[str, int
     """
     _check_positive_int("activation_bytes", "tokens", tokens)
     b = dtype_bytes(dtype)
-    T, E, D = tokens, shape.hidden, shape.head_dim
+    T, E, D = tokens, config.hidden_size, config.head_dim
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
     elements = {
         "hidden": 2 * T * E,
-        "qkv": T * (shape.heads + 2 * shape.kv_heads) * D,
-        "attention_out": T * shape.heads * D,
-        "mlp": 3 * T * shape.intermediate,
-        "logits": T * shape.vocab,
+        "qkv": T * (H + 2 * Hkv) * D,
+        "attention_out": T * H * D,
+        "mlp": 3 * T * config.intermediate_size,
+        "logits": T * config.vocab_size,
     }
     return {part: math.ceil(n * b) for part, n in elements.items()}
 
 
-def activation_bytes(shape: ModelShape, tokens: int, dtype) -> int:
+def activation_bytes(config: ModelConfig, tokens: int, dtype) -> int:
     """Sum of `activation_breakdown`: the transient memory of one forward, in bytes."""
-    return sum(activation_breakdown(shape, tokens, dtype).values())
+    return sum(activation_breakdown(config, tokens, dtype).values())
 
 
 @dataclass(frozen=True)
@@ -282,7 +192,7 @@ class MemoryPlan:
         return self.kv_budget_bytes // self.kv_bytes_per_token
 
 
-def plan_memory(shape: ModelShape, gpu_bytes: int, weight_dtype, kv_dtype,
+def plan_memory(config: ModelConfig, gpu_bytes: int, weight_dtype, kv_dtype,
                 reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> MemoryPlan:
     """Split `gpu_bytes` into weights, an activation reserve and what is left for the KV cache.
 
@@ -291,29 +201,29 @@ def plan_memory(shape: ModelShape, gpu_bytes: int, weight_dtype, kv_dtype,
     _check_positive_int("plan_memory", "gpu_bytes", gpu_bytes)
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"plan_memory: reserve_fraction must be in [0, 1), got {reserve_fraction!r}")
-    weights = weight_bytes(shape, weight_dtype)
+    weights = weight_bytes(config, weight_dtype)
     reserve = math.ceil(gpu_bytes * reserve_fraction)
     kv_budget = gpu_bytes - reserve - weights
     if kv_budget <= 0:
         raise ValueError(
-            f"{shape.name}: the weights alone need {weights / GB:.1f} GB in {weight_dtype}, but a "
+            f"{config.name or 'this model'}: the weights alone need {weights / GB:.1f} GB in {weight_dtype}, but a "
             f"{gpu_bytes / GB:.0f} GB card leaves {(gpu_bytes - reserve) / GB:.1f} GB after the "
             f"{reserve_fraction:.0%} activation reserve; use a larger card, a smaller weight dtype "
             f"(chapter 07) or split the model over several cards (chapter 08)")
-    return MemoryPlan(gpu_bytes, weights, reserve, kv_budget, kv_bytes_per_token(shape, kv_dtype))
+    return MemoryPlan(gpu_bytes, weights, reserve, kv_budget, kv_bytes_per_token(config, kv_dtype))
 
 
-def max_cached_tokens(shape: ModelShape, gpu_bytes: int, weight_dtype, kv_dtype,
+def max_cached_tokens(config: ModelConfig, gpu_bytes: int, weight_dtype, kv_dtype,
                       reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> int:
     """How many tokens of KV cache fit on the card, shared among all sequences."""
-    return plan_memory(shape, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction).max_cached_tokens
+    return plan_memory(config, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction).max_cached_tokens
 
 
-def max_concurrent_sequences(shape: ModelShape, gpu_bytes: int, context_tokens: int, weight_dtype,
+def max_concurrent_sequences(config: ModelConfig, gpu_bytes: int, context_tokens: int, weight_dtype,
                              kv_dtype, reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> int:
     """How many sequences of `context_tokens` tokens each can be cached at once.
 
     With a sliding window a sequence caches at most `sliding_window` tokens, however long it is.
     """
-    per_sequence = cached_tokens_per_sequence(shape, context_tokens)
-    return max_cached_tokens(shape, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction) // per_sequence
+    per_sequence = cached_tokens_per_sequence(config, context_tokens)
+    return max_cached_tokens(config, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction) // per_sequence

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from engine.metrics import RequestTiming
 from engine.model import LlamaModel
-from engine.sampling import SamplingParams, SamplingState, check_stop, sample
-from engine.tokenizer import Tokenizer
+from engine.sampling import SamplingParams, SamplingState, check_stop, sample, shows_text
+from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 
 # step_fn(new_token_ids) -> logits [V] of the position after the last token fed so far.
 StepFn = Callable[[list[int]], Tensor]
@@ -41,15 +42,19 @@ class GenerationResult:
     step_times_s: list[float] = field(default_factory=list)  # step 0 is the prefill (gives the first token)
 
     @property
+    def timing(self) -> RequestTiming:
+        """This run as `engine.metrics` sees a request: one token at the end of each timed step."""
+        return RequestTiming.from_step_times(self.step_times_s, finish_reason=self.finish_reason)
+
+    @property
     def ttft_s(self) -> float:
         """Time to first token: the prompt's forward pass plus the first sample."""
-        return self.step_times_s[0] if self.step_times_s else float("nan")
+        return self.timing.ttft_s
 
     @property
     def tpot_s(self) -> float:
         """Mean time per output token after the first."""
-        rest = self.step_times_s[1:]
-        return sum(rest) / len(rest) if rest else float("nan")
+        return self.timing.tpot_s
 
 
 @torch.inference_mode()
@@ -58,51 +63,28 @@ def full_logits(model: LlamaModel, input_ids: Tensor) -> Tensor:
     return model(input_ids)
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, max_len: int) -> list[int]:
-    """Token ids of a prompt, with clear errors for an empty or too long one."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("prompt is text but the model has no tokenizer; pass token ids instead")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(i) for i in prompt]
-    if not ids:
-        raise ValueError("prompt is empty (and the tokenizer adds no BOS token); give at least one token")
-    if len(ids) >= max_len:
-        raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {max_len}; "
-                         f"shorten it to at most {max_len - 1} tokens")
-    return ids
-
-
-def eos_ids(model: LlamaModel, tokenizer: Tokenizer | None) -> list[int]:
-    if tokenizer is not None and tokenizer.eos_token_ids:
-        return tokenizer.eos_token_ids
-    return model.config.eos_token_ids
-
-
 @torch.inference_mode()
 def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
              eos: list[int], max_len: int, on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """The autoregressive loop: feed new tokens, sample, append, check stops."""
     state = SamplingState(params, prompt_ids=list(prompt_ids))
     detok = tokenizer.detokenizer() if tokenizer is not None else None
-    eos_id = eos[0] if eos else None
+    eos_id = eos[0] if eos else None  # the sampler keeps this one out until min_tokens
     new, times, reason, text = list(prompt_ids), [], "length", ""
     while len(prompt_ids) + len(state.output_ids) < max_len:
         start = time.perf_counter()
         logits = step_fn(new)  # [V]
         token = int(sample(logits[None].float(), [state], eos_id).token_ids[0])
         times.append(time.perf_counter() - start)
-        state.output_ids.append(token)
-        if detok is not None and token not in eos:
+        if detok is not None and shows_text(token, eos):
             delta = detok.push(token)
             if on_text and delta:
                 on_text(delta)
             text = detok.text
-        hit_other_eos = token in eos[1:] and not params.ignore_eos and len(state.output_ids) >= params.min_tokens
-        done, why, text = check_stop(state.output_ids, text, params, eos_id)
-        if done or hit_other_eos:
-            reason = why or "stop"
+        done, why, text = check_stop(state.output_ids, token, text, params, eos)
+        state.output_ids.append(token)
+        if done:
+            reason = why
             break
         new = [token]
     return GenerationResult(list(prompt_ids), state.output_ids, text, reason, times)

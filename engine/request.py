@@ -5,6 +5,7 @@
                       └── recompute ───────┘  └── swap ──► SWAPPED ──swapped in──► RUNNING
                           (preempted)                      (preempted)
     abort_request: from any state straight to FINISHED with reason "abort".
+    a step that raises: the requests it ran go straight to FINISHED with reason "error".
 
 The one number the scheduler and the runner care about is `num_computed_tokens`: how many of
 the request's tokens already have their K/V in the cache. Each step feeds positions
@@ -29,13 +30,54 @@ copies that block (copy-on-write), so the prompt's full blocks stay stored once:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams, SamplingState, check_stop
+from engine.sampling import SamplingParams, SamplingState, check_stop, shows_text
 from engine.tokenizer import IncrementalDetokenizer
 
 WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # "error": the step that ran it raised (see `error`)
+SHOWN_VALUE_CHARS = 40  # an error message quotes at most this much of a bad value (a prompt can be long)
+
+
+def validate_token_ids(ids, vocab_size: int, where: str, allow_empty: bool = False) -> list[int]:
+    """The one gate every token id list passes before the engine keeps it; returns plain ints.
+
+    A token id is an int in [0, vocab_size): a Python int or a numpy / torch integer scalar. We refuse
+    (TypeError) floats, bools, bytes, None, strings and nested lists, and (ValueError) ids outside the
+    vocabulary and, unless allowed, an empty list. An id of 5000 on a 1024-token model would otherwise
+    be accepted here and blow up the embedding lookup of EVERY later step, for everybody.
+    `where` names the owner in the message, e.g. "request '7': prompt".
+    """
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__len__") or isinstance(ids, dict | set):
+        raise TypeError(f"{where} must be a list of token ids (ints in [0, {vocab_size})), "
+                        f"got {type(ids).__name__} {_short(ids)}")
+    out = [_token_id(x, i, vocab_size, where) for i, x in enumerate(ids)]
+    if not out and not allow_empty:
+        raise ValueError(f"{where} is empty (and the tokenizer adds no BOS token); give at least one token")
+    return out
+
+
+def _token_id(x, i: int, vocab_size: int, where: str) -> int:
+    is_bool = isinstance(x, bool) or "bool" in str(getattr(x, "dtype", ""))  # numpy and torch bools too
+    try:
+        if is_bool or getattr(x, "ndim", 0) != 0:  # ndim: a 1-element array is a nested list, not an id
+            raise TypeError
+        value = operator.index(x)  # ints, numpy / torch integer scalars; floats, bytes, None refuse
+    except TypeError:
+        raise TypeError(f"{where}[{i}] is {type(x).__name__} {_short(x)}: token ids must be ints in "
+                        f"[0, {vocab_size}) (Python, numpy or torch integers; not floats, bools, bytes "
+                        "or lists)") from None
+    if not 0 <= value < vocab_size:
+        raise ValueError(f"{where}[{i}] = {value} is outside the model's vocabulary [0, {vocab_size}) "
+                         "(vocab_size of the model config); check the tokenizer matches the model")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[:SHOWN_VALUE_CHARS] + "..."
 
 
 @dataclass(eq=False)
@@ -65,6 +107,7 @@ class Request:
     index: int = 0  # which of the request's n samples this sequence is
     samples: list[Request] = field(default_factory=list)  # all n samples of the request, in index order
     pending_forks: list[Request] = field(default_factory=list)  # on sample 0: forked at its first token
+    error: str | None = None  # with finish_reason "error": the exception of the step that failed it
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, prompt_ids=list(self.prompt_token_ids))
@@ -100,23 +143,20 @@ class Request:
     def append_token(self, token: int, logprobs=None) -> bool:
         """Record a sampled token; returns True when the request is now finished (see `finish`).
 
-        The stop rules are exactly `engine.naive.run_loop`'s, so outputs match the naive loop:
-        text grows only with non-EOS tokens; any EOS id stops (after min_tokens); then `check_stop`.
+        The stop rule is `engine.sampling.check_stop`, the same one `engine.naive.run_loop` uses, so
+        outputs match the naive loop: text grows only with non-EOS tokens (`shows_text`).
         """
-        params, eos = self.params, self.eos_token_ids
+        if self.detokenizer is not None and shows_text(token, self.eos_token_ids):
+            self.detokenizer.push(token)
+            self.text = self.detokenizer.text
+        done, why, self.text = check_stop(self.output_token_ids, token, self.text, self.params,
+                                          self.eos_token_ids)
         self.output_token_ids.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if self.detokenizer is not None and token not in eos:
-            self.detokenizer.push(token)
-            self.text = self.detokenizer.text
-        enough = len(self.output_token_ids) >= params.min_tokens
-        hit_other_eos = token in eos[1:] and not params.ignore_eos and enough
-        done, why, self.text = check_stop(self.output_token_ids, self.text, params, eos[0] if eos else None)
-        if done or hit_other_eos:
-            self.finish_reason = why or "stop"
-            return True
-        return False
+        if done:
+            self.finish_reason = why
+        return done
 
     def finish(self, reason: str, now: float) -> None:
         if reason not in FINISH_REASONS:

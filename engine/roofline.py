@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.memory import ModelShape, activation_breakdown, dtype_bytes, kv_cache_bytes
+from engine.config import ModelConfig
+from engine.memory import activation_breakdown, dtype_bytes, kv_cache_bytes
 
 # Each matmul weight does one multiply and one add per token: 2 FLOPs.
 FLOPS_PER_MAC = 2
@@ -66,7 +67,7 @@ def _check_positive_int(field: str, value) -> None:
         raise ValueError(f"forward_cost: {field} must be a positive int (1, 2, 3, ...), got {value!r}")
 
 
-def forward_cost(shape: ModelShape, batch: int, new_tokens: int, context_tokens: int,
+def forward_cost(config: ModelConfig, batch: int, new_tokens: int, context_tokens: int,
                  weight_dtype_bytes: float, kv_dtype_bytes: float,
                  activation_dtype_bytes: float | None = None) -> ForwardCost:
     """Count the work of one forward: `batch` sequences, each adding `new_tokens` tokens
@@ -92,16 +93,16 @@ def forward_cost(shape: ModelShape, batch: int, new_tokens: int, context_tokens:
     w_b, kv_b = dtype_bytes(weight_dtype_bytes), dtype_bytes(kv_dtype_bytes)
     act_b = activation_dtype_bytes or max(w_b, MIN_ACTIVATION_BYTES)
     tokens = batch * new_tokens
-    attended = min(context_tokens, shape.sliding_window or context_tokens)
+    attended = min(context_tokens, config.sliding_window or context_tokens)
+    L, H, Hkv, D = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                    config.head_dim)
 
-    matmul_flops = FLOPS_PER_MAC * shape.matmul_params() * tokens
-    attention_flops = (ATTENTION_FLOPS_PER_PAIR_PER_DIM * shape.layers * shape.heads * shape.head_dim
-                       * new_tokens * attended * batch)
-    kv = (shape.layers, batch, shape.kv_heads, shape.head_dim)
-    kv_read = kv_cache_bytes(kv[0], kv[1], attended, kv[2], kv[3], kv_b)
-    kv_write = kv_cache_bytes(kv[0], kv[1], new_tokens, kv[2], kv[3], kv_b)
-    weights = _weight_bytes_read(shape, w_b)
-    activations = _activation_traffic(shape, tokens, act_b)
+    matmul_flops = FLOPS_PER_MAC * config.matmul_params() * tokens
+    attention_flops = ATTENTION_FLOPS_PER_PAIR_PER_DIM * L * H * D * new_tokens * attended * batch
+    kv_read = kv_cache_bytes(L, batch, attended, Hkv, D, kv_b)
+    kv_write = kv_cache_bytes(L, batch, new_tokens, Hkv, D, kv_b)
+    weights = _weight_bytes_read(config, w_b)
+    activations = _activation_traffic(config, tokens, act_b)
 
     flops = matmul_flops + attention_flops
     total = weights + kv_read + kv_write + activations
@@ -109,18 +110,18 @@ def forward_cost(shape: ModelShape, batch: int, new_tokens: int, context_tokens:
                        matmul_flops, attention_flops)
 
 
-def _weight_bytes_read(shape: ModelShape, weight_dtype_bytes: float) -> int:
+def _weight_bytes_read(config: ModelConfig, weight_dtype_bytes: float) -> int:
     """Weights streamed from memory in one forward: all but an untied embedding table."""
-    parts = shape.param_breakdown()
-    unread = 0 if shape.tied_embeddings else parts["embedding"]  # tied: read in full as the LM head
+    parts = config.param_breakdown()
+    unread = 0 if config.tie_word_embeddings else parts["embedding"]  # tied: read in full as the LM head
     return int((sum(parts.values()) - unread) * weight_dtype_bytes)
 
 
-def _activation_traffic(shape: ModelShape, tokens: int, act_bytes: float) -> int:
-    parts = activation_breakdown(shape, tokens, act_bytes)
+def _activation_traffic(config: ModelConfig, tokens: int, act_bytes: float) -> int:
+    parts = activation_breakdown(config, tokens, act_bytes)
     logits = parts.pop("logits")
     per_layer = sum(parts.values())
-    return ACTIVATION_TRAFFIC_FACTOR * (shape.layers * per_layer + logits)
+    return ACTIVATION_TRAFFIC_FACTOR * (config.num_hidden_layers * per_layer + logits)
 
 
 @dataclass(frozen=True)
@@ -153,14 +154,14 @@ def predicted_time(cost: ForwardCost, roofline: MachineRoofline) -> float:
     return max(cost.flops / roofline.peak_flops, cost.total_bytes / roofline.bandwidth_bytes_per_s)
 
 
-def decode_roofline_tokens_per_s(shape: ModelShape, roofline: MachineRoofline, dtype_bytes: float,
+def decode_roofline_tokens_per_s(config: ModelConfig, roofline: MachineRoofline, dtype_bytes: float,
                                  context_tokens: int = 1) -> float:
     """Upper bound on batch-1 decode speed: bandwidth / bytes read per token (weights + KV).
 
     Every new token must stream all the weights and the sequence's KV cache through the chip
     once, so no batch-1 decoder can beat this on this machine, however fast its arithmetic.
     """
-    cost = forward_cost(shape, 1, 1, context_tokens, dtype_bytes, dtype_bytes)
+    cost = forward_cost(config, 1, 1, context_tokens, dtype_bytes, dtype_bytes)
     return roofline.bandwidth_bytes_per_s / (cost.weight_bytes + cost.kv_read_bytes)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from engine.block_manager import BlockManager
+from engine.kv_pool import PagedKVPool
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledWork
 from kernels.paged_attention import (
@@ -59,28 +60,20 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """The attention backend over paged KV pools, one [NB, BS, Hkv, D] pair per layer.
+    """The attention backend: reads and writes the paged KV cache through a `PagedKVPool`.
 
-    Also owns the CPU-side swap pools (same layout) and the block copies the scheduler asks for.
-    `backend`: "torch" (the reference), "triton" or "cuda"; falls back to "torch" with a warning.
+    It holds no tensors of its own: the pool (engine/kv_pool.py) owns them and does the block
+    copies. `backend`: "torch" (the reference), "triton" or "cuda"; falls back to "torch" with a warning.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, swap_space_blocks: int = 0,
-                 backend: str = "torch"):
-        cfg, weight = model.config, model.embed_tokens.weight
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)  # [NB, BS, Hkv, D]
-        layers = range(cfg.num_hidden_layers)
-        self.k_pools = [weight.new_zeros(shape) for _ in layers]
-        self.v_pools = [weight.new_zeros(shape) for _ in layers]
-        swap_shape = (swap_space_blocks, *shape[1:])
-        self.k_swap = [torch.zeros(swap_shape, dtype=weight.dtype) for _ in layers]  # on the CPU
-        self.v_swap = [torch.zeros(swap_shape, dtype=weight.dtype) for _ in layers]
-        self.scale = cfg.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
-        self.backend = resolve_backend(backend, weight.device)  # warns once here, not every layer
+    def __init__(self, kv_pool: PagedKVPool, backend: str = "torch"):
+        self.kv_pool = kv_pool
+        self.scale = kv_pool.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
+        self.backend = resolve_backend(backend, kv_pool.device)  # warns once here, not every layer
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]: the packed batch is one row
-        k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
+        k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]  # [NB, BS, Hkv, D]
         write_kv(k, v, k_pool, v_pool, meta.slot_mapping, backend=self.backend)
         out = torch.empty_like(q)  # [N, H, D]
         if meta.decode_rows.numel():
@@ -91,18 +84,6 @@ class PagedAttention:
             out[chunk.lo:chunk.hi] = paged_prefill_attention_ref(
                 q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale)
         return out[None]  # [1, N, H, D]
-
-    @torch.inference_mode()
-    def move_blocks(self, swap_out, swap_in, copies) -> None:
-        """Do the scheduler's copies, in a safe order: GPU->CPU, CPU->GPU, then GPU->GPU (COW)."""
-        for layer in range(len(self.k_pools)):
-            for pools, swaps in ((self.k_pools, self.k_swap), (self.v_pools, self.v_swap)):
-                for gpu, cpu in swap_out:
-                    swaps[layer][cpu] = pools[layer][gpu].cpu()
-                for cpu, gpu in swap_in:
-                    pools[layer][gpu] = swaps[layer][cpu].to(pools[layer].device)
-                for src, dst in copies:
-                    pools[layer][dst] = pools[layer][src]
 
 
 def build_batch(work: list[ScheduledWork], block_manager: BlockManager, device) -> tuple[Tensor, Tensor,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -270,22 +271,41 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
     return SamplerOutput(token_ids, [logprobs for _, logprobs in picked])
 
 
-def check_stop(output_ids: Sequence[int], text: str, params: SamplingParams,
-               eos_token_id: int | None) -> tuple[bool, str | None, str]:
-    """Has this request finished? Returns (finished, reason "stop"/"length"/None, text to show).
+class StopDecision(NamedTuple):
+    """What `check_stop` decided: unpack it as (finished, reason, text)."""
 
-    The order is vLLM's: nothing stops before min_tokens; then EOS (unless ignore_eos) and
-    stop_token_ids; then stop strings, cut from the text at the earliest match; then max_tokens.
+    finished: bool
+    reason: str | None  # "stop" (EOS, a stop id or a stop string), "length" (max_tokens), None: go on
+    text: str  # the text to show: cut before the stop string that matched, if one did
+
+
+def shows_text(token: int, eos_token_ids: Sequence[int]) -> bool:
+    """Does this token add to the visible text? Every EOS id is control, never text (even with
+    ignore_eos, where it does not stop the sequence)."""
+    return token not in eos_token_ids
+
+
+def check_stop(output_ids: Sequence[int], new_token: int, text: str, params: SamplingParams,
+               eos_token_ids: Sequence[int]) -> StopDecision:
+    """Does the sequence stop at `new_token`? The ONE stop rule, used by the naive loop and the engine.
+
+    output_ids: the tokens generated BEFORE new_token; text: the visible text including new_token's
+    piece (see `shows_text`); eos_token_ids: ALL of the model's end-of-sequence ids (a chat model
+    often has several, e.g. <|endoftext|> and <|im_end|>).
+
+    The order is vLLM's: nothing stops before min_tokens tokens exist (new_token included); then any
+    EOS id (unless ignore_eos) or a stop_token_id stops with "stop"; then a stop string stops with
+    "stop" and the text is cut at its earliest match; then max_tokens stops with "length".
     """
-    if len(output_ids) < params.min_tokens:
-        return False, None, text
-    last = output_ids[-1] if output_ids else None
-    hit_eos = last is not None and last == eos_token_id and not params.ignore_eos
-    if hit_eos or (last is not None and last in params.stop_token_ids):
-        return True, "stop", text
+    n = len(output_ids) + 1
+    if n < params.min_tokens:
+        return StopDecision(False, None, text)
+    hit_eos = new_token in eos_token_ids and not params.ignore_eos
+    if hit_eos or new_token in params.stop_token_ids:
+        return StopDecision(True, "stop", text)
     cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
     if cut >= 0:
-        return True, "stop", text[:cut]
-    if len(output_ids) >= params.max_tokens:
-        return True, "length", text
-    return False, None, text
+        return StopDecision(True, "stop", text[:cut])
+    if n >= params.max_tokens:
+        return StopDecision(True, "length", text)
+    return StopDecision(False, None, text)

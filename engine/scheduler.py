@@ -32,7 +32,8 @@ already scheduled in this step. Preemption is by:
 - swap: copy its blocks to a CPU-side pool and free the GPU ones; later copy them back (costs
   transfers, no compute). When the CPU pool is full we fall back to recompute.
 
-The scheduler only does bookkeeping (block tables, queues); the engine's runner moves the tensors:
+The scheduler only decides (queues, victims, who runs). The block manager owns every block table,
+the CPU swap pool's included, and the engine's KV pool (engine/kv_pool.py) moves the tensors:
 `SchedulerOutput` lists the block copies it must do before the forward.
 """
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockAllocator, BlockManager
+from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import RUNNING, SWAPPED, WAITING, Request
 
@@ -77,10 +78,9 @@ def rank(req: Request) -> tuple:
 
 
 class Scheduler:
-    """Waiting, running and swapped queues over one BlockManager (and a CPU swap pool)."""
+    """Waiting, running and swapped queues over one BlockManager (which also holds the swap pool)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 swap_space_blocks: int = 0):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.block_manager = block_manager
         self.token_budget = config.max_num_batched_tokens or max_model_len
@@ -88,8 +88,6 @@ class Scheduler:
             raise ValueError(
                 f"max_num_batched_tokens={self.token_budget} is below the context ({max_model_len}) with "
                 "enable_chunked_prefill=False, so a long prompt could never run: raise it or enable chunking")
-        self.swap_pool = BlockAllocator(swap_space_blocks) if swap_space_blocks > 0 else None
-        self.swap_tables: dict[int, list[int]] = {}  # seq id -> its CPU blocks while swapped
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -114,10 +112,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if req in queue:
                 queue.remove(req)
-        if req.seq_id in self.block_manager:
-            self.block_manager.free(req.seq_id)
-        for block in self.swap_tables.pop(req.seq_id, []):
-            self.swap_pool.free(block)
+        if req.seq_id in self.block_manager or self.block_manager.is_swapped(req.seq_id):
+            self.block_manager.free(req.seq_id)  # its device blocks, or its CPU swap blocks
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -145,7 +141,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         for req in sorted(self.waiting, key=rank):
-            if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+            if not self._has_seats(req):
                 return  # its n samples will all run
             if not self._tenant_has_room(req):
                 continue  # a quota blocks only its own tenant
@@ -163,7 +159,7 @@ class Scheduler:
         blocks are allocated when each is first scheduled (the token budget may spread the batch's
         prefills over a few steps); no one else joins until the whole batch has finished."""
         for req in sorted(self.waiting, key=rank):
-            if len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+            if not self._has_seats(req):
                 return
             if self._tenant_has_room(req):
                 self._move(req, self.waiting, self.running, RUNNING)
@@ -174,22 +170,27 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput) -> None:
         bm = self.block_manager
         for req in sorted(self.swapped, key=rank):
-            if len(self.running) >= self.config.max_num_seqs or not self._tenant_has_room(req):
+            if not self._has_seats(req) or not self._tenant_has_room(req):
                 return
             n = self._num_new_tokens(req, out.budget_left)
-            if n == 0 or not bm.can_allocate(req.num_computed_tokens + n):
+            if n == 0 or not bm.can_swap_in(req.seq_id, n):
                 return
-            cpu_blocks = self.swap_tables.pop(req.seq_id)
-            gpu_blocks = bm.allocate(req.seq_id, req.num_computed_tokens)
-            out.swap_in += list(zip(cpu_blocks, gpu_blocks, strict=True))
-            for block in cpu_blocks:
-                self.swap_pool.free(block)
+            out.swap_in += bm.swap_in(req.seq_id)
             self._move(req, self.swapped, self.running, RUNNING)
             req.preempted = False
             out.events.append({"type": "swapped_in", "request_id": req.request_id})
             self._schedule(req, n, out)
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _seats_taken(self) -> int:
+        """Sequences running now plus those already promised a seat: a running sample 0 that has not
+        sampled yet will fork its `pending_forks` at its first token, with no admission in between."""
+        return sum(1 + len(r.pending_forks) for r in self.running)
+
+    def _has_seats(self, req: Request) -> bool:
+        """Whether req and the samples it will fork fit under max_num_seqs (a hard limit)."""
+        return self._seats_taken() + 1 + len(req.pending_forks) <= self.config.max_num_seqs
+
     def _num_new_tokens(self, req: Request, budget_left: int) -> int:
         """How many of req's uncomputed tokens fit in this step (0: none, wait for the next)."""
         remaining = req.num_uncomputed_tokens
@@ -248,15 +249,9 @@ class Scheduler:
     def _swap_out(self, victim: Request, out: SchedulerOutput) -> bool:
         """Copy victim's blocks to the CPU pool (False: nothing to swap, or the pool is too full)."""
         bm = self.block_manager
-        if self.swap_pool is None or victim.seq_id not in bm:
+        if victim.seq_id not in bm or not bm.can_swap_out(victim.seq_id):
             return False
-        gpu_blocks = bm.block_table(victim.seq_id)
-        if len(gpu_blocks) > self.swap_pool.num_free:
-            return False
-        cpu_blocks = self.swap_pool.allocate_many(len(gpu_blocks))
-        out.swap_out += list(zip(gpu_blocks, cpu_blocks, strict=True))
-        self.swap_tables[victim.seq_id] = cpu_blocks
-        bm.free(victim.seq_id)
+        out.swap_out += bm.swap_out(victim.seq_id)
         self._move(victim, self.running, self.swapped, SWAPPED)
         return True
 

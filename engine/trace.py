@@ -41,7 +41,6 @@ The events (small dicts, `type` first):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -147,7 +146,9 @@ class StepReport:
 
 @dataclass
 class RequestTimes:
-    """One request's life as read back from a trace (times on the engine's clock, seconds)."""
+    """One request's life as read back from a trace (times on the engine's clock, seconds): the facts
+    only. The latencies they imply (TTFT, TPOT, ITL, E2E, queueing) are computed in `engine/metrics.py`
+    (`requests_from_trace`), and nowhere else."""
 
     request_id: str
     arrival_time: float
@@ -160,22 +161,6 @@ class RequestTimes:
     finish_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-
-    @property
-    def ttft_s(self) -> float:
-        """Time to first token: arrival -> end of the step that sampled the first token."""
-        return math.nan if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot_s(self) -> float:
-        """Mean time per output token after the first (nan with fewer than 2 tokens)."""
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return math.nan
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_s(self) -> float:
-        return math.nan if self.finish_time is None else self.finish_time - self.arrival_time
 
 
 @dataclass

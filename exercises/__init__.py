@@ -21,8 +21,10 @@ so that edits show up without restarting the kernel.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,26 +90,55 @@ def load_checks(chapter: str | int) -> list[tuple[str, Callable[[ModuleType], No
     ]
 
 
-def _failure_reason(err: Exception) -> str:
+def _source_files(target) -> set[str]:
+    """The files the module under test is written in: its own file, and (for a namespace of
+    functions and classes, as the tests build) the files those are defined in."""
+    files = {str(Path(target.__file__).resolve())} if getattr(target, "__file__", None) else set()
+    for value in vars(target).values():
+        if inspect.isfunction(value) or inspect.isclass(value):
+            try:
+                files.add(str(Path(inspect.getfile(value)).resolve()))
+            except (TypeError, OSError):  # a builtin class: no file of its own
+                pass
+    return files
+
+
+def _where_in(err: Exception, files: set[str]) -> str:
+    """`path:line in function: source` of the last traceback frame inside `files`, or ""."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if str(Path(f.filename).resolve()) in files]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    path = Path(frame.filename).resolve()
+    shown = path.relative_to(PACKAGE_DIR.parent) if path.is_relative_to(PACKAGE_DIR.parent) else path
+    return f"{shown}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+
+
+def _failure_reason(err: Exception, files: set[str] = frozenset()) -> str:
+    """Why a check failed. A check's own assertion speaks for itself; an error raised inside the
+    student's code also says where: the last line of their file that ran, so they can go there."""
     if isinstance(err, NotImplementedError):
         return f"not implemented yet: {err}".rstrip(": ")
-    if isinstance(err, AssertionError) and str(err):
+    where = _where_in(err, files)
+    if isinstance(err, AssertionError) and str(err) and not where:
         return str(err)
-    return f"{type(err).__name__}: {err}"
+    message = f"{type(err).__name__}: {err}".rstrip(": ")
+    return f"{message}\n  at {where}" if where else message
 
 
 def run_checks(chapter: str | int, solutions: bool = False,
                module: ModuleType | None = None) -> list[CheckResult]:
     """Run every check of a chapter against your module, the reference (solutions=True), or any
     object with the right functions (module=...). A check that raises anything fails; the rest
-    still run."""
+    still run. An error raised inside the module's code names its file and line in the reason."""
     target = module if module is not None else load_module(chapter, solutions)
+    files = _source_files(target)
     results = []
     for name, check in load_checks(chapter):
         try:
             check(target)
         except Exception as err:  # noqa: BLE001 - any error in the student's code is a failed check
-            results.append(CheckResult(name, False, _failure_reason(err)))
+            results.append(CheckResult(name, False, _failure_reason(err, files)))
         else:
             results.append(CheckResult(name, True))
     return results

@@ -17,29 +17,37 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def temperature_scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Divide the logits by the temperature (> 0): below 1 sharpens, above 1 flattens."""
-    raise NotImplementedError("one line: divide, and return a new tensor (no in-place `/=`)")
+    raise NotImplementedError(
+        "which arithmetic makes t = 2 flatten the distribution and t = 0.5 sharpen it? "
+        "Return a new tensor: the caller still needs its logits")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (and any tied with the k-th); 0, -1 or k >= V: keep all."""
     raise NotImplementedError(
-        "find the k-th largest value of each row with torch.topk(...).values[..., -1:], "
-        "then masked_fill every logit below it with -inf")
+        "what is the k-th largest logit of each row (torch.topk can tell you)? Which tokens lie "
+        "below it? Mind the tokens tied with it, and the values of k that mean 'off'")
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities add up to at least p."""
+    """Keep the smallest set of most likely tokens whose probabilities add up to at least p.
+
+    The token whose probability carries the running total to p or past it is the *boundary*: it
+    stays, and so does every token exactly as likely as it (so the answer never depends on the
+    order a sort puts tied tokens in). p = 1.0 keeps everything.
+    """
     raise NotImplementedError(
-        "softmax, sort descending, cumsum; a token stays if the tokens MORE likely than it add up "
-        "to less than p (so the one that crosses p stays); scatter the mask back to vocabulary "
-        "order; p = 1.0 keeps everything")
+        "in probabilities sorted from most to least likely, where does the running total reach p? "
+        "Decide which tokens stay by comparing values with the boundary token's, not by position "
+        "in the sort")
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """Drop the tokens whose probability is below min_p times the top token's probability."""
-    raise NotImplementedError("softmax, take each row's max with keepdim=True, compare, masked_fill")
+    raise NotImplementedError(
+        "the threshold is relative to each row's most likely token: a batch has one threshold per row")
 
 
 def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor], prompt_ids: Sequence[int],
@@ -47,8 +55,9 @@ def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor], pr
     """Greedy decoding with no cache, returning only the new token ids (eos included if produced).
 
     Every step: call next_token_logits_fn on the WHOLE sequence so far (prompt + new tokens) to get
-    logits [V], append their argmax, stop after eos_id or after max_new_tokens tokens.
+    logits [V], append the most likely token, stop after eos_id or after max_new_tokens tokens.
+    Leave the caller's prompt_ids as they were.
     """
     raise NotImplementedError(
-        "keep a list ids = prompt + new tokens; loop max_new_tokens times: "
-        "logits = next_token_logits_fn(ids); token = int(logits.argmax()); append; break on eos_id")
+        "greedy gives the same answer on every run: no sampling. Grow a sequence of your own "
+        "(not the caller's list), ask the model about all of it each step, and decide when to stop")

@@ -17,7 +17,7 @@ def decode_step_flops(matmul_params: int, layers: int, heads: int, head_dim: int
     """FLOPs of one decode step: every sequence of the batch adds one token.
 
     matmul_params: the parameters every token is multiplied by (the q/k/v/o projections, the MLP
-    and the LM head; for a ModelShape, `shape.matmul_params()`). Count:
+    and the LM head; for a ModelConfig, `config.matmul_params()`). Count:
       - matmuls: 2 FLOPs (a multiply and an add) per parameter per new token;
       - attention: per layer, per query head, per new token, per context token, q.k costs D
         multiply-adds and the weighted sum of V another D, so 4 * D FLOPs.

@@ -1,9 +1,11 @@
 """Chapter 04: the block manager's bookkeeping, by property tests and by hand-worked cases.
 
 The stateful test drives a ``BlockManager`` with random interleavings of allocate / append /
-fork / write / free against a fake KV pool (a dict slot -> token value). After every step it
-checks the invariants, and that every sequence still reads back exactly the tokens it wrote:
-the last check fails if copy-on-write were missing or a slot were handed out twice.
+fork / write / swap out / swap in / free against fake KV pools (dicts slot -> token value, one
+for the device and one for the CPU swap pool, copied block by block as the manager's pairs say).
+After every step it checks the invariants, and that every sequence still reads back exactly the
+tokens it wrote: the last check fails if copy-on-write were missing, a slot were handed out
+twice, or a swap pair pointed at the wrong block.
 """
 
 from collections import Counter
@@ -13,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import AppendResult, BlockAllocator, BlockManager, NoFreeBlocksError
+from engine.block_manager import AppendResult, BlockAllocator, BlockManager, NoFreeBlocksError, SwapUsage
 
 # Small pools so that running out of blocks (the all-or-nothing path) happens often.
 MAX_BLOCKS = 12
@@ -23,31 +25,43 @@ MAX_TOKENS_PER_CALL = 9
 def snapshot(bm: BlockManager):
     tables = {s: (bm.block_table(s), bm.num_tokens(s)) for s in bm.seq_ids()}
     refcounts = [bm.allocator.refcount(b) for b in range(bm.allocator.num_blocks)]
-    return tables, refcounts, bm.allocator.num_free, bm.usage()
+    swap = bm.swap_allocator
+    swap_refcounts = [swap.refcount(b) for b in range(swap.num_blocks)] if swap else []
+    swap_tables = {s: bm.swap_table(s) for s in bm.swapped_seq_ids()}
+    return tables, refcounts, bm.allocator.num_free, bm.usage(), swap_tables, swap_refcounts, bm.swap_usage()
+
+
+def copy_blocks(src_pool: dict, dst_pool: dict, pairs, block_size: int) -> None:
+    """What the KV pool does for each (src block, dst block) pair, on the fake dict pools."""
+    for src, dst in pairs:
+        for off in range(block_size):
+            if src * block_size + off in src_pool:
+                dst_pool[dst * block_size + off] = src_pool[src * block_size + off]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(1, MAX_BLOCKS), block_size=st.sampled_from([1, 2, 3, 4]))
-    def setup(self, num_blocks, block_size):
-        self.bm = BlockManager(num_blocks, block_size)
+    @initialize(num_blocks=st.integers(1, MAX_BLOCKS), block_size=st.sampled_from([1, 2, 3, 4]),
+                num_swap_blocks=st.integers(0, MAX_BLOCKS))
+    def setup(self, num_blocks, block_size, num_swap_blocks):
+        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks)
         self.pool: dict[int, int] = {}  # slot -> token value: a stand-in for the KV pools
+        self.cpu_pool: dict[int, int] = {}  # the same for the CPU swap pools
         self.content: dict[int, list[int]] = {}  # seq -> the values it wrote, in order
         self.next_seq = 0
         self.next_value = 0
 
     def _write(self, seq_id, result):
-        for src, dst in result.copies:  # the caller's duty: copy the block before writing
-            bs = self.bm.block_size
-            for off in range(bs):
-                if src * bs + off in self.pool:
-                    self.pool[dst * bs + off] = self.pool[src * bs + off]
+        copy_blocks(self.pool, self.pool, result.copies, self.bm.block_size)  # copy before writing
         for slot in result.slots:
             self.pool[slot] = self.next_value
             self.content[seq_id].append(self.next_value)
             self.next_value += 1
 
-    def _live(self, data):
-        return data.draw(st.sampled_from(sorted(self.content)))
+    def _on_device(self):
+        return sorted(s for s in self.content if s in self.bm)
+
+    def _live(self, data):  # a sequence on the device: the only kind that can grow or fork
+        return data.draw(st.sampled_from(self._on_device()))
 
     @rule(n=st.integers(0, 2 * MAX_TOKENS_PER_CALL))
     def allocate(self, n):
@@ -77,7 +91,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.content[seq_id] = []
         self._write(seq_id, AppendResult(slots=self.bm.slot_mapping(seq_id, range(n))))
 
-    @precondition(lambda self: self.content)
+    @precondition(lambda self: self._on_device())
     @rule(data=st.data(), n=st.integers(0, MAX_TOKENS_PER_CALL))
     def append(self, data, n):
         seq_id = self._live(data)
@@ -92,12 +106,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert can
         self._write(seq_id, result)
 
-    @precondition(lambda self: self.content)
+    @precondition(lambda self: self._on_device())
     @rule(data=st.data())
     def write_one_token(self, data):  # a decode step
         self.append(data, 1)
 
-    @precondition(lambda self: self.content)
+    @precondition(lambda self: self._on_device())
     @rule(data=st.data())
     def fork(self, data):
         parent = self._live(data)
@@ -107,12 +121,46 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.content)
     @rule(data=st.data())
-    def free(self, data):
-        seq_id = self._live(data)
+    def free(self, data):  # on the device or swapped out
+        seq_id = data.draw(st.sampled_from(sorted(self.content)))
         self.bm.free(seq_id)
         del self.content[seq_id]
         with pytest.raises(ValueError, match="unknown sequence"):
             self.bm.free(seq_id)
+
+    @precondition(lambda self: self._on_device())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq_id = self._live(data)
+        before = snapshot(self.bm)
+        can = self.bm.can_swap_out(seq_id)
+        try:
+            pairs = self.bm.swap_out(seq_id)
+        except NoFreeBlocksError:
+            assert not can
+            assert snapshot(self.bm) == before
+            return
+        assert can and self.bm.is_swapped(seq_id) and seq_id not in self.bm
+        assert [gpu for gpu, _ in pairs] == before[0][seq_id][0]  # every block of its table, in order
+        assert [cpu for _, cpu in pairs] == self.bm.swap_table(seq_id)
+        copy_blocks(self.pool, self.cpu_pool, pairs, self.bm.block_size)
+
+    @precondition(lambda self: self.bm.swapped_seq_ids())
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.bm.swapped_seq_ids())))
+        before = snapshot(self.bm)
+        can = self.bm.can_swap_in(seq_id)
+        try:
+            pairs = self.bm.swap_in(seq_id)
+        except NoFreeBlocksError:
+            assert not can
+            assert snapshot(self.bm) == before
+            return
+        assert can and seq_id in self.bm and not self.bm.is_swapped(seq_id)
+        assert [cpu for cpu, _ in pairs] == before[4][seq_id]
+        assert [gpu for _, gpu in pairs] == self.bm.block_table(seq_id)
+        copy_blocks(self.cpu_pool, self.pool, pairs, self.bm.block_size)
 
     @invariant()
     def free_plus_used_is_total(self):
@@ -135,10 +183,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_back_what_it_wrote(self):
+        bs = self.bm.block_size
         for s, values in self.content.items():
+            if self.bm.is_swapped(s):  # read through its CPU table
+                table = self.bm.swap_table(s)
+                assert [self.cpu_pool[table[p // bs] * bs + p % bs] for p in range(len(values))] == values
+                continue
             slots = self.bm.slot_mapping(s, range(self.bm.num_tokens(s)))
             assert len(set(slots)) == len(slots)
             assert [self.pool[x] for x in slots] == values
+
+    @invariant()
+    def each_swapped_sequence_holds_its_own_cpu_blocks(self):
+        bm, swapped = self.bm, self.bm.swapped_seq_ids()
+        assert set(swapped) | set(bm.seq_ids()) == set(self.content)
+        assert not set(swapped) & set(bm.seq_ids())  # in exactly one place
+        held = [b for s in swapped for b in bm.swap_table(s)]
+        assert len(set(held)) == len(held)  # no CPU block shared or handed out twice
+        for s in swapped:
+            assert len(bm.swap_table(s)) == -(-len(self.content[s]) // bm.block_size)
+        u = bm.swap_usage()
+        assert u.used_blocks == len(held) and u.used_blocks + u.free_blocks == u.total_blocks
+        for b in range(u.total_blocks):
+            assert bm.swap_allocator.refcount(b) == (b in held)
 
     @invariant()
     def slots_are_shared_only_inside_forked_unwritten_blocks(self):
@@ -168,9 +235,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "bm"):
             return
-        for s in self.bm.seq_ids():
+        for s in self.bm.seq_ids() + self.bm.swapped_seq_ids():
             self.bm.free(s)
         assert self.bm.allocator.num_free == self.bm.allocator.num_blocks  # nothing leaked
+        assert self.bm.swap_usage().used_blocks == 0
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
@@ -312,3 +380,85 @@ def test_manager_rejects_unknown_and_duplicate_sequences():
         bm.append_slots(0, -1)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(num_blocks=4, block_size=0)
+
+
+# ---- swapping: the manager owns the CPU swap pool's tables too ---------------------------------
+
+
+def test_swap_out_is_all_or_nothing_when_the_swap_pool_is_too_small():
+    bm = BlockManager(num_blocks=8, block_size=4, num_swap_blocks=2)
+    bm.allocate(0, 9)  # 3 blocks, the swap pool has 2
+    before = snapshot(bm)
+    assert not bm.can_swap_out(0)
+    with pytest.raises(NoFreeBlocksError, match="CPU swap") as err:
+        bm.swap_out(0)
+    assert (err.value.needed, err.value.free) == (3, 2)
+    assert snapshot(bm) == before and 0 in bm and not bm.is_swapped(0)
+    no_pool = BlockManager(num_blocks=8, block_size=4)
+    no_pool.allocate(0, 1)
+    with pytest.raises(NoFreeBlocksError, match="swap_space_blocks"):
+        no_pool.swap_out(0)
+
+
+def test_swap_out_and_in_move_the_table_and_report_the_copies():
+    bm = BlockManager(num_blocks=6, block_size=4, num_swap_blocks=4)
+    bm.allocate(0, 2)  # a small neighbour, so the swapped sequence's blocks are not 0, 1, 2
+    bm.allocate(1, 10)
+    gpu = bm.block_table(1)
+    pairs = bm.swap_out(1)
+    assert [g for g, _ in pairs] == gpu and [c for _, c in pairs] == bm.swap_table(1)
+    assert 1 not in bm and bm.is_swapped(1) and bm.swapped_seq_ids() == [1]
+    assert bm.usage().used_blocks == 1 and bm.swap_usage().used_blocks == 3  # device blocks freed
+    cpu = bm.swap_table(1)
+    back = bm.swap_in(1)
+    assert [c for c, _ in back] == cpu and [g for _, g in back] == bm.block_table(1)
+    assert bm.num_tokens(1) == 10 and not bm.is_swapped(1)
+    assert bm.usage().used_blocks == 4 and bm.swap_usage().used_blocks == 0  # CPU blocks freed
+    with pytest.raises(ValueError, match="not swapped out"):
+        bm.swap_in(1)
+
+
+def test_swap_in_is_all_or_nothing_and_counts_room_for_the_next_tokens():
+    bm = BlockManager(num_blocks=3, block_size=4, num_swap_blocks=4)
+    bm.allocate(0, 8)  # 2 blocks
+    bm.swap_out(0)
+    bm.allocate(1, 9)  # 3 blocks: the device pool is full
+    before = snapshot(bm)
+    assert not bm.can_swap_in(0)
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_in(0)
+    assert snapshot(bm) == before and bm.is_swapped(0)
+    bm.free(1)
+    assert bm.can_swap_in(0, num_new_tokens=4)  # 12 tokens: 3 blocks, all free
+    assert not bm.can_swap_in(0, num_new_tokens=5)  # 13 tokens would need a 4th
+    with pytest.raises(ValueError, match="swapped out: swap_in first"):
+        bm.append_slots(0, 1)
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.allocate(0, 1)  # a swapped id is still taken
+
+
+def test_swapping_out_a_forked_sequence_keeps_the_shared_blocks_for_its_sibling():
+    bm = BlockManager(num_blocks=8, block_size=4, num_swap_blocks=8)
+    bm.allocate(0, 5)
+    bm.fork(0, 1)
+    a, b = bm.block_table(0)
+    pairs = bm.swap_out(1)
+    assert [g for g, _ in pairs] == [a, b]  # both copied to the CPU ...
+    assert bm.allocator.refcount(a) == bm.allocator.refcount(b) == 1  # ... and still held by 0
+    assert bm.block_table(0) == [a, b] and bm.allocator.num_used == 2
+    back = bm.swap_in(1)
+    fresh = bm.block_table(1)
+    assert [g for _, g in back] == fresh and not set(fresh) & {a, b}  # a private copy comes back
+    assert all(bm.allocator.refcount(x) == 1 for x in [a, b, *fresh])
+
+
+def test_freeing_a_swapped_sequence_frees_its_swap_blocks():
+    bm = BlockManager(num_blocks=4, block_size=4, num_swap_blocks=4)
+    bm.allocate(0, 6)
+    bm.swap_out(0)
+    assert bm.usage().used_blocks == 0 and bm.swap_usage().used_blocks == 2
+    bm.free(0)
+    assert bm.swap_usage() == SwapUsage(total_blocks=4, used_blocks=0, free_blocks=4)
+    assert not bm.is_swapped(0) and 0 not in bm
+    with pytest.raises(ValueError, match="unknown sequence id 0"):
+        bm.free(0)

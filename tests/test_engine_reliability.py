@@ -1,13 +1,17 @@
 """Chapter 05, property tests: random arrivals, aborts and tiny pools never lose a request, never leak
 a block, and never change the tokens of the requests that were not aborted."""
 
+import dataclasses
 import functools
 
+import pytest
 import torch
 from engine_fixtures import VOCAB, random_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from engine import llm_engine
+from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
 from engine.naive import generate_naive
 from engine.sampling import SamplingParams
@@ -87,9 +91,8 @@ def check_block_owners(engine: LLMEngine) -> None:
     """Only running requests hold GPU blocks, only swapped ones CPU blocks, and the pools agree."""
     sched, bm = engine.scheduler, engine.block_manager
     assert set(bm.seq_ids()) <= {r.seq_id for r in sched.running}
-    assert set(sched.swap_tables) == {r.seq_id for r in sched.swapped}
-    if sched.swap_pool is not None:
-        assert sched.swap_pool.num_used == sum(len(t) for t in sched.swap_tables.values())
+    assert set(bm.swapped_seq_ids()) == {r.seq_id for r in sched.swapped}
+    assert bm.swap_usage().used_blocks == sum(len(bm.swap_table(s)) for s in bm.swapped_seq_ids())
     held = {block for seq in bm.seq_ids() for block in bm.block_table(seq)}  # forked samples share
     assert bm.usage().used_blocks == len(held)
 
@@ -111,5 +114,115 @@ def test_every_request_finishes_or_is_aborted_and_no_block_leaks(reqs, config):
             else:  # others' aborts and preemptions did not change a single token
                 assert seq.output_token_ids == expected
     assert engine.block_manager.usage().used_blocks == 0
-    pool = engine.scheduler.swap_pool
-    assert pool is None or pool.num_used == 0
+    assert engine.block_manager.swap_usage().used_blocks == 0
+
+
+# ---- issue 9: a failing step, the max_num_seqs limit, aborting what is left of a request ----------
+
+
+class FailingCall:
+    """Wraps a function so that its `fail_at`-th call (1-based) raises, like an out-of-memory in one forward."""
+
+    def __init__(self, real, fail_at: int):
+        self.real, self.fail_at, self.calls = real, fail_at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("simulated out of memory in step")
+        return self.real(*args, **kwargs)
+
+
+def greedy_workload(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(2, VOCAB, (int(torch.randint(1, MAX_PROMPT, (1,), generator=g)),), generator=g).tolist(),
+             SamplingParams(temperature=0, max_tokens=int(torch.randint(2, MAX_OUT, (1,), generator=g))))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("where", ["run_model", "sample"])  # in the forward, or after it (sampling)
+def test_a_step_that_raises_fails_only_the_requests_it_ran_and_the_engine_goes_on(monkeypatch, where):
+    work = greedy_workload(6, seed=1)
+    engine = LLMEngine(MODEL, None, engine_config(max_num_seqs=3, num_blocks=40, block_size=BLOCK_SIZE))
+    ids = [engine.add_request(p, sp) for p, sp in work]
+    monkeypatch.setattr(llm_engine, where, FailingCall(getattr(llm_engine, where), fail_at=3))
+    engine.step(), engine.step()
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        engine.step()
+    failed_step = engine.trace[-1]
+    ran = {s.request_id for s in failed_step.scheduled}
+    assert ran and {rid for rid, why in failed_step.queues.finished.items() if why == "error"} == ran
+    assert {e["request_id"] for e in failed_step.events if e.get("reason") == "error"} == ran
+    late = engine.add_request(*work[0])  # a request that arrives after the failure
+    while engine.has_unfinished_requests():
+        engine.step()  # raises no more: the failure was one step's
+    for rid, (prompt, sp) in zip([*ids, late], [*work, work[0]], strict=True):
+        req, expected = engine.get_request(rid), naive_tokens(tuple(prompt), sp.max_tokens)
+        if rid in ran:
+            assert req.finish_reason == "error" and "simulated out of memory" in req.error
+            assert req.output_token_ids == expected[: len(req.output_token_ids)]
+        else:
+            assert req.finish_reason != "error" and req.output_token_ids == expected
+    assert engine.block_manager.usage().used_blocks == 0 and engine.block_manager.seq_ids() == []
+
+
+def test_llm_generate_warns_once_for_a_failing_step_and_returns_everyone_else(monkeypatch):
+    work = greedy_workload(5, seed=2)
+    monkeypatch.setattr(llm_engine, "run_model", FailingCall(llm_engine.run_model, fail_at=2))
+    llm = LLM(MODEL, max_num_seqs=2)
+    with pytest.warns(RuntimeWarning, match="a step raised RuntimeError") as caught:
+        outputs = llm.generate([p for p, _ in work], [sp for _, sp in work], use_tqdm=False)
+    assert len([w for w in caught if "a step raised" in str(w.message)]) == 1
+    reasons = [o.outputs[0].finish_reason for o in outputs]
+    assert 1 <= reasons.count("error") < len(work)
+    for out, (prompt, sp) in zip(outputs, work, strict=True):
+        expected, got = naive_tokens(tuple(prompt), sp.max_tokens), out.outputs[0]
+        if got.finish_reason == "error":
+            assert "simulated" in got.error and got.token_ids == expected[: len(got.token_ids)]
+        else:
+            assert got.token_ids == expected and got.error is None
+    assert llm.engine.requests == {} and llm.engine.block_manager.usage().used_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_max_num_seqs_counts_the_samples_a_running_request_will_fork(policy):
+    """A = n=2, its prompt prefilled in chunks: its second sample appears only at its first token. B (which
+    arrives right after A and outlives A's prefill) must not take that seat, or three sequences would run
+    with max_num_seqs=2."""
+    engine = LLMEngine(MODEL, None, engine_config(policy=policy, max_num_seqs=2, enable_chunked_prefill=True,
+                                                  max_num_batched_tokens=8, max_prefill_chunk_tokens=4,
+                                                  block_size=BLOCK_SIZE))
+    prompt_a, params_a = list(range(2, 22)), SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True)
+    prompt_b, params_b = [7, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    a = engine.add_request(prompt_a, params_a)
+    b = engine.add_request(prompt_b, params_b)
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+        assert len(engine.scheduler.running) <= 2
+    assert most == 2  # A's two samples did run together
+    for rid, prompt, params in ((a, prompt_a, params_a), (f"{a}#1", prompt_a, params_a), (b, prompt_b, params_b)):
+        expected = generate_naive(MODEL, None, prompt, dataclasses.replace(params, n=1)).token_ids
+        assert engine.get_request(rid).output_token_ids == expected
+
+
+def test_aborting_a_request_stops_its_other_samples_after_sample_0_has_finished():
+    """Sampled (temperature > 0) samples end at different steps; we look for a seed where sample 0 ends
+    first (EOS), then abort the request by its id."""
+    params = SamplingParams(n=2, temperature=4.0, max_tokens=MAX_PROMPT + MAX_OUT, min_tokens=0)
+    for seed in range(200):
+        engine = LLMEngine(MODEL, None, engine_config(block_size=BLOCK_SIZE))
+        rid = engine.add_request([5, 6, 7], dataclasses.replace(params, seed=seed))
+        head, other = engine.get_request(rid).samples
+        while engine.has_unfinished_requests() and not head.is_finished:
+            engine.step()
+        if head.is_finished and not other.is_finished:
+            break
+    else:
+        raise AssertionError("no seed made sample 0 finish before sample 1")
+    assert engine.abort_request(rid) is True
+    assert other.finish_reason == "abort" and head.finish_reason != "abort"
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage().used_blocks == 0
+    with pytest.warns(UserWarning, match="already finished"):
+        assert engine.abort_request(rid) is False  # now nothing is left to stop

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import exercises
+from engine import block_manager, memory, sampling
 from exercises.__main__ import main
 from exercises.solutions import ch01_sampling as ch01_solutions
 
@@ -59,7 +60,7 @@ def test_a_top_p_that_drops_the_boundary_token_fails_the_top_p_checks():
     results = {r.name: r for r in exercises.run_checks("ch01", module=wrong)}
     failed = {name for name, r in results.items() if not r.passed}
     assert failed == {"top_p_matches_the_engine_on_random_logits", "top_p_keeps_the_boundary_token",
-                      "top_p_handles_ties_inside_the_kept_set"}
+                      "top_p_keeps_every_token_tied_with_the_boundary", "top_p_handles_ties_inside_the_kept_set"}
     assert "expected [0, 1, 2]" in results["top_p_keeps_the_boundary_token"].reason
 
 
@@ -68,9 +69,9 @@ def test_a_filter_that_modifies_its_input_fails_with_that_reason():
         logits /= t
         return logits
 
-    wrong = types.SimpleNamespace(**{**vars(ch01_solutions), "temperature_scale": in_place})
+    wrong = types.SimpleNamespace(**{**vars(ch01_solutions), "apply_temperature": in_place})
     result = exercises.run_checks("ch01", module=wrong)[0]
-    assert result.name == "temperature_scale_divides_the_logits" and not result.passed
+    assert result.name == "apply_temperature_divides_the_logits" and not result.passed
     assert "in place" in result.reason
 
 
@@ -81,6 +82,58 @@ def test_a_generate_that_forgets_to_stop_at_eos_fails_only_the_eos_check():
     wrong = types.SimpleNamespace(**{**vars(ch01_solutions), "naive_generate": never_stops})
     failed = [r.name for r in exercises.run_checks("ch01", module=wrong) if not r.passed]
     assert failed == ["naive_generate_stops_after_eos"]
+
+
+def test_the_reference_top_p_keeps_ties_with_the_boundary_as_the_engine_does():
+    logits = torch.tensor([0.4, 0.3, 0.3]).log()  # p = 0.5: the first 0.3 crosses p, the second ties it
+    mine, engine = ch01_solutions.top_p_filter(logits, 0.5), sampling.top_p_filter(logits, 0.5)
+    assert torch.isfinite(mine).tolist() == torch.isfinite(engine).tolist() == [True, True, True]
+
+
+def _passes_named(chapter, module, prefixes):
+    """The results of the checks whose names start with one of `prefixes`, against `module`."""
+    results = [r for r in exercises.run_checks(chapter, module=module) if r.name.startswith(prefixes)]
+    assert results, f"no {chapter} check starts with {prefixes}"
+    return results
+
+
+def test_the_engine_filters_pass_the_chapter_01_filter_checks():
+    engine = types.SimpleNamespace(apply_temperature=sampling.apply_temperature, top_k_filter=sampling.top_k_filter,
+                                   top_p_filter=sampling.top_p_filter, min_p_filter=sampling.min_p_filter)
+    results = _passes_named("ch01", engine, ("apply_temperature", "top_k", "top_p", "min_p"))
+    assert [r for r in results if not r.passed] == [] and len(results) >= 8
+
+
+def test_the_engine_kv_cache_bytes_passes_the_chapter_03_formula_checks():
+    engine = types.SimpleNamespace(kv_cache_bytes=memory.kv_cache_bytes)
+    results = _passes_named("ch03", engine, ("kv_cache_bytes", "llama3", "mha", "the_cache", "int8"))
+    assert [r for r in results if not r.passed] == []
+
+
+def test_the_engine_block_allocator_passes_the_chapter_04_allocator_checks():
+    engine = types.SimpleNamespace(BlockAllocator=block_manager.BlockAllocator)
+    results = _passes_named("ch04", engine, ("allocat",))
+    assert [r for r in results if not r.passed] == [] and len(results) >= 5
+
+
+def test_an_error_inside_the_students_code_names_its_file_and_line():
+    def top_k_filter(logits, k):
+        kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # empty for k = 0
+        return logits.masked_fill(logits < kth_largest, float("-inf"))  # so this line raises
+
+    wrong = types.SimpleNamespace(**{**vars(ch01_solutions), "top_k_filter": top_k_filter})
+    results = {r.name: r for r in exercises.run_checks("ch01", module=wrong)}
+    result = results["top_k_is_off_for_0_minus_1_and_k_at_least_vocab"]
+    line = inspect.getsourcelines(top_k_filter)[1] + 2
+    assert not result.passed and result.reason.startswith("RuntimeError: ")
+    assert f"tests/test_exercises.py:{line} in top_k_filter: return logits.masked_fill(" in result.reason, result.reason
+
+
+def test_a_check_that_fails_on_its_own_assertion_shows_only_its_message():
+    wrong = types.SimpleNamespace(**{**vars(ch01_solutions), "apply_temperature": lambda logits, t: logits * t})
+    result = exercises.run_checks("ch01", module=wrong)[0]
+    assert not result.passed and result.reason.startswith("apply_temperature(logits, 0.5)")
+    assert "\n  at " not in result.reason
 
 
 def test_cli_check_exits_zero_on_the_solutions_and_prints_a_table(capsys):

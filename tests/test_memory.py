@@ -4,14 +4,17 @@ Expected numbers are worked out by hand in the comments (or come from published 
 never copied from the code's output.
 """
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
+from engine.config import MODEL_PRESETS, ModelConfig
+from engine.loader import read_config
 from engine.memory import (
     DTYPE_BYTES,
     GPU_MEMORY_GB,
-    PRESETS,
-    ModelShape,
     activation_breakdown,
     activation_bytes,
     cached_tokens_per_sequence,
@@ -115,7 +118,7 @@ PUBLISHED_PARAMS = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_preset_parameter_count_matches_the_published_one(name):
-    assert PRESETS[name].num_params() == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+    assert MODEL_PRESETS[name].num_params() == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
 
 
 def test_smollm2_parameter_count_by_hand():
@@ -123,37 +126,52 @@ def test_smollm2_parameter_count_by_hand():
     # Per layer: q, o 576*576 each; k, v 576*192 each (3 KV heads * 64); MLP 3 * 576 * 1536;
     # norms 2 * 576  ->  331_776*2 + 110_592*2 + 2_654_208 + 1_152 = 3_540_096; * 30 = 106_202_880.
     # Final norm 576.  Total 28_311_552 + 106_202_880 + 576 = 134_515_008.
-    assert PRESETS["SmolLM2-135M"].num_params() == 134_515_008
+    assert MODEL_PRESETS["SmolLM2-135M"].num_params() == 134_515_008
 
 
 def test_llama3_8b_parameter_count_is_exactly_the_published_8_030_261_248():
     # Hugging Face lists meta-llama/Meta-Llama-3-8B at 8,030,261,248 parameters.
-    assert PRESETS["Llama-3-8B"].num_params() == 8_030_261_248
+    assert MODEL_PRESETS["Llama-3-8B"].num_params() == 8_030_261_248
 
 
 def test_untying_the_embeddings_adds_a_vocab_by_hidden_lm_head():
-    tied = PRESETS["SmolLM2-135M"]
-    untied = ModelShape(**{**tied.__dict__, "tied_embeddings": False})
+    tied = MODEL_PRESETS["SmolLM2-135M"]
+    untied = dataclasses.replace(tied, tie_word_embeddings=False)
     assert untied.num_params() - tied.num_params() == 49152 * 576
 
 
 def test_qkv_bias_adds_one_bias_per_projected_output_per_layer():
-    qwen = PRESETS["Qwen2.5-7B"]
-    no_bias = ModelShape(**{**qwen.__dict__, "qkv_bias": False})
+    qwen = MODEL_PRESETS["Qwen2.5-7B"]
+    no_bias = dataclasses.replace(qwen, qkv_bias=False)
     # q has 28 * 128 = 3584 outputs, k and v 4 * 128 = 512 each: 4608 per layer, 28 layers.
     assert qwen.num_params() - no_bias.num_params() == 4608 * 28
 
 
 def test_presets_carry_the_published_config_json_numbers():
-    llama3 = PRESETS["Llama-3-8B"]
-    assert (llama3.layers, llama3.hidden, llama3.heads, llama3.kv_heads, llama3.head_dim,
-            llama3.intermediate, llama3.vocab, llama3.max_context) == \
+    llama3 = MODEL_PRESETS["Llama-3-8B"]
+    assert (llama3.num_hidden_layers, llama3.hidden_size, llama3.num_attention_heads, llama3.num_key_value_heads,
+            llama3.head_dim, llama3.intermediate_size, llama3.vocab_size, llama3.max_position_embeddings) == \
         (32, 4096, 32, 8, 128, 14336, 128256, 8192)
-    assert PRESETS["Mistral-7B-v0.1"].sliding_window == 4096
-    assert PRESETS["Qwen2.5-7B"].qkv_bias and PRESETS["Qwen2.5-7B"].kv_heads == 4
-    assert PRESETS["SmolLM2-135M"].tied_embeddings and PRESETS["SmolLM2-135M"].head_dim == 64
-    for shape in PRESETS.values():
-        assert shape.head_dim * shape.heads == shape.hidden
+    assert MODEL_PRESETS["Mistral-7B-v0.1"].sliding_window == 4096
+    assert MODEL_PRESETS["Qwen2.5-7B"].qkv_bias and MODEL_PRESETS["Qwen2.5-7B"].num_key_value_heads == 4
+    smol = MODEL_PRESETS["SmolLM2-135M"]
+    assert smol.tie_word_embeddings and smol.head_dim == 64
+    for name, config in MODEL_PRESETS.items():
+        assert config.name == name
+        assert config.head_dim * config.num_attention_heads == config.hidden_size
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_num_params_is_the_breakdown_summed_and_the_real_model_count(name):
+    # One formula: num_params adds up param_breakdown, and both agree with the parameters of the
+    # decoder that engine/model.py builds from the same config (on the meta device: no memory).
+    from engine.model import LlamaModel
+
+    config = MODEL_PRESETS[name]
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    assert config.num_params() == sum(config.param_breakdown().values())
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
 
 
 MISTRAL_CONFIG = {  # the fields of mistralai/Mistral-7B-v0.1's config.json that we read
@@ -169,48 +187,55 @@ QWEN_CONFIG = {  # Qwen/Qwen2.5-7B-Instruct: a window is written down but switch
 }
 
 
-def test_from_hf_config_rebuilds_the_presets():
-    assert ModelShape.from_hf_config(MISTRAL_CONFIG, name="Mistral-7B-v0.1") == PRESETS["Mistral-7B-v0.1"]
-    assert ModelShape.from_hf_config(QWEN_CONFIG, name="Qwen2.5-7B") == PRESETS["Qwen2.5-7B"]
+def test_reading_the_config_json_rebuilds_the_presets():
+    # The presets set only the size-deciding fields; so do these dicts, so everything else is a default.
+    mistral = ModelConfig.from_hf_dict(MISTRAL_CONFIG)
+    qwen = ModelConfig.from_hf_dict(QWEN_CONFIG)
+    assert dataclasses.replace(mistral, name="Mistral-7B-v0.1") == MODEL_PRESETS["Mistral-7B-v0.1"]
+    assert dataclasses.replace(qwen, name="Qwen2.5-7B") == MODEL_PRESETS["Qwen2.5-7B"]
 
 
-def test_from_hf_config_without_kv_heads_means_multi_head_attention():
+def test_a_config_json_without_kv_heads_means_multi_head_attention():
     config = {k: v for k, v in MISTRAL_CONFIG.items() if k not in ("num_key_value_heads", "sliding_window")}
-    shape = ModelShape.from_hf_config(config)
-    assert shape.kv_heads == 32 and shape.sliding_window is None
+    shape = ModelConfig.from_hf_dict(config)
+    assert shape.num_key_value_heads == 32 and shape.sliding_window is None
+    assert kv_bytes_per_token(shape, "fp16") == 4 * kv_bytes_per_token(MODEL_PRESETS["Mistral-7B-v0.1"], "fp16")
 
 
-def test_from_hf_config_names_the_missing_field():
+def test_reading_a_config_json_names_the_missing_field(tmp_path):
     config = {k: v for k, v in MISTRAL_CONFIG.items() if k != "vocab_size"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="vocab_size"):
-        ModelShape.from_hf_config(config)
+        read_config(tmp_path)
 
 
-def test_model_shape_rejects_kv_heads_that_do_not_divide_heads():
-    with pytest.raises(ValueError, match="kv_heads must divide heads=32.*got 5"):
-        ModelShape("bad", 2, 64, 32, 5, 2, 128, 100, True, 128)
+def test_a_config_rejects_kv_heads_that_do_not_divide_heads():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(32\) must be a multiple of num_key_value_heads \(5\)"):
+        dataclasses.replace(MODEL_PRESETS["Llama-3-8B"], num_key_value_heads=5)
 
 
-def test_model_shape_rejects_a_zero_layer_count():
-    with pytest.raises(ValueError, match="layers must be a positive int"):
-        ModelShape("bad", 0, 64, 4, 4, 16, 128, 100, True, 128)
+def test_a_config_rejects_a_zero_layer_count():
+    with pytest.raises(ValueError, match="num_hidden_layers must be a positive integer, got 0"):
+        dataclasses.replace(MODEL_PRESETS["Llama-3-8B"], num_hidden_layers=0)
 
 
 def test_kv_per_token_shows_what_gqa_saves():
     # Llama-3-8B: 2 * 32 layers * 8 KV heads * 128 dims * 2 bytes = 131072 B per token.
-    assert kv_bytes_per_token(PRESETS["Llama-3-8B"], "fp16") == 131072
+    assert kv_bytes_per_token(MODEL_PRESETS["Llama-3-8B"], "fp16") == 131072
     # Llama-2-7B, same layers and head dim but 32 KV heads: four times as much.
-    assert kv_bytes_per_token(PRESETS["Llama-2-7B"], "fp16") == 4 * 131072
-    assert kv_bytes_per_token(PRESETS["Llama-3-8B"], "int8") == 65536
+    assert kv_bytes_per_token(MODEL_PRESETS["Llama-2-7B"], "fp16") == 4 * 131072
+    assert kv_bytes_per_token(MODEL_PRESETS["Llama-3-8B"], "int8") == 65536
 
 
 def test_weight_bytes_of_llama3_8b_in_fp16_is_about_16_gb():
-    assert weight_bytes(PRESETS["Llama-3-8B"], "fp16") == 2 * 8_030_261_248  # 16.06 GB
-    assert weight_bytes(PRESETS["Llama-3-8B"], "int4") == 8_030_261_248 // 2
+    assert weight_bytes(MODEL_PRESETS["Llama-3-8B"], "fp16") == 2 * 8_030_261_248  # 16.06 GB
+    assert weight_bytes(MODEL_PRESETS["Llama-3-8B"], "int4") == 8_030_261_248 // 2
 
 
 def test_activation_bytes_by_hand_for_a_tiny_shape():
-    shape = ModelShape("tiny", 2, 8, 4, 2, 2, 16, 10, True, 32)
+    shape = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=2, max_position_embeddings=32,
+                        tie_word_embeddings=True)
     # per token: hidden 2*8 = 16, qkv (4 + 2*2) * 2 = 16, attention out 4*2 = 8, mlp 3*16 = 48,
     # logits 10: 98 elements; 5 tokens in fp32 -> 98 * 5 * 4 = 1960 bytes.
     assert activation_bytes(shape, 5, "fp32") == 1960
@@ -221,7 +246,7 @@ def test_activation_bytes_by_hand_for_a_tiny_shape():
 def test_llama3_8b_fp16_on_an_80_gb_card_holds_52_chats_of_8k_tokens():
     # Usable: 80e9 * 0.9 = 72e9 B. Weights 16_060_522_496 B. KV budget 55_939_477_504 B.
     # / 131072 B per token = 426_784.3 -> 426_784 tokens; / 8192 per chat = 52.1 -> 52.
-    shape = PRESETS["Llama-3-8B"]
+    shape = MODEL_PRESETS["Llama-3-8B"]
     gpu = GPU_MEMORY_GB["80 GB (A100/H100)"] * GB
     assert max_cached_tokens(shape, gpu, "fp16", "fp16", reserve_fraction=0.1) == 426_784
     assert max_concurrent_sequences(shape, gpu, 8192, "fp16", "fp16", reserve_fraction=0.1) == 52
@@ -232,30 +257,30 @@ def test_llama3_8b_fp16_on_an_80_gb_card_holds_52_chats_of_8k_tokens():
 
 def test_an_int8_kv_cache_doubles_the_capacity():
     # Same budget, 65536 B per token: 55_939_477_504 / 65536 = 853_568.7 -> 853_568 tokens, 104 chats.
-    shape = PRESETS["Llama-3-8B"]
+    shape = MODEL_PRESETS["Llama-3-8B"]
     assert max_cached_tokens(shape, 80 * GB, "fp16", "int8", reserve_fraction=0.1) == 853_568
     assert max_concurrent_sequences(shape, 80 * GB, 8192, "fp16", "int8", reserve_fraction=0.1) == 104
 
 
 def test_a_24_gb_card_holds_only_five_8k_chats_of_llama3_8b():
     # 24e9 * 0.9 = 21.6e9; - 16_060_522_496 = 5_539_477_504; / 131072 = 42_262.9 -> 42_262; / 8192 = 5.2.
-    shape = PRESETS["Llama-3-8B"]
+    shape = MODEL_PRESETS["Llama-3-8B"]
     assert max_cached_tokens(shape, 24 * GB, "fp16", "fp16", reserve_fraction=0.1) == 42_262
     assert max_concurrent_sequences(shape, 24 * GB, 8192, "fp16", "fp16", reserve_fraction=0.1) == 5
 
 
 def test_the_reserve_fraction_is_taken_before_the_kv_budget():
     # No reserve: 80e9 - 16_060_522_496 = 63_939_477_504; / 131072 = 487_819.5 -> 487_819 tokens.
-    assert max_cached_tokens(PRESETS["Llama-3-8B"], 80 * GB, "fp16", "fp16", reserve_fraction=0) == 487_819
+    assert max_cached_tokens(MODEL_PRESETS["Llama-3-8B"], 80 * GB, "fp16", "fp16", reserve_fraction=0) == 487_819
 
 
 def test_llama3_70b_in_fp16_does_not_fit_on_one_80_gb_card():
-    with pytest.raises(ValueError, match=r"weights alone need 141\.\d GB"):
-        max_concurrent_sequences(PRESETS["Llama-3-70B"], 80 * GB, 8192, "fp16", "fp16")
+    with pytest.raises(ValueError, match=r"Llama-3-70B: the weights alone need 141\.\d GB"):
+        max_concurrent_sequences(MODEL_PRESETS["Llama-3-70B"], 80 * GB, 8192, "fp16", "fp16")
 
 
 def test_a_sliding_window_caps_what_each_sequence_caches():
-    mistral = PRESETS["Mistral-7B-v0.1"]
+    mistral = MODEL_PRESETS["Mistral-7B-v0.1"]
     assert cached_tokens_per_sequence(mistral, 32768) == 4096
     assert cached_tokens_per_sequence(mistral, 1000) == 1000
     tokens = max_cached_tokens(mistral, 80 * GB, "fp16", "fp16")
@@ -264,4 +289,4 @@ def test_a_sliding_window_caps_what_each_sequence_caches():
 
 def test_plan_memory_rejects_a_reserve_fraction_outside_zero_to_one():
     with pytest.raises(ValueError, match="reserve_fraction must be in"):
-        plan_memory(PRESETS["SmolLM2-135M"], 24 * GB, "fp16", "fp16", reserve_fraction=1.0)
+        plan_memory(MODEL_PRESETS["SmolLM2-135M"], 24 * GB, "fp16", "fp16", reserve_fraction=1.0)

@@ -5,7 +5,8 @@ Expected numbers are worked out by hand in the comments, never copied from the c
 
 import pytest
 
-from engine.memory import PRESETS, ModelShape, kv_cache_bytes
+from engine.config import MODEL_PRESETS, ModelConfig
+from engine.memory import kv_cache_bytes
 from engine.roofline import (
     ForwardCost,
     MachineRoofline,
@@ -21,11 +22,12 @@ from engine.roofline import (
 # A made-up accelerator with H100-like spec numbers: 1e15 FLOP/s, 4e12 B/s -> ridge at 250 FLOP/B.
 SYNTHETIC = MachineRoofline(peak_flops=1e15, bandwidth_bytes_per_s=4e12, dtype="fp16",
                             description="synthetic")
-LLAMA3 = PRESETS["Llama-3-8B"]
+LLAMA3 = MODEL_PRESETS["Llama-3-8B"]
 FP16 = 2
 
 # layers 2, hidden 8, 4 heads, 2 KV heads, head dim 2, intermediate 16, vocab 10, tied.
-TINY = ModelShape("tiny", 2, 8, 4, 2, 2, 16, 10, True, 64)
+TINY = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=2, max_position_embeddings=64, tie_word_embeddings=True)
 
 
 def test_forward_cost_of_a_tiny_model_by_hand():
@@ -84,7 +86,7 @@ def test_prefill_is_far_more_intense_than_decode_and_compute_bound():
 
 
 def test_a_sliding_window_caps_the_attended_context():
-    mistral = PRESETS["Mistral-7B-v0.1"]
+    mistral = MODEL_PRESETS["Mistral-7B-v0.1"]
     long = forward_cost(mistral, 1, 1, 32768, FP16, FP16)
     at_window = forward_cost(mistral, 1, 1, 4096, FP16, FP16)
     assert long.kv_read_bytes == at_window.kv_read_bytes == 4096 * 131072

@@ -15,6 +15,7 @@ from engine.sampling import (
     min_p_filter,
     probs_after_each_stage,
     sample,
+    shows_text,
     top_k_filter,
     top_p_filter,
 )
@@ -284,7 +285,7 @@ def test_sample_rejects_a_batch_that_does_not_match_its_rows():
 
 def test_stop_strings_are_cut_from_the_text_at_the_earliest_match():
     params = SamplingParams(stop=["bye", "."])
-    assert check_stop([5, 6], "hello world. bye", params, eos_token_id=0) == (True, "stop", "hello world")
+    assert check_stop([5], 6, "hello world. bye", params, eos_token_ids=[0]) == (True, "stop", "hello world")
 
 
 def test_a_single_stop_string_is_normalized_to_a_list():
@@ -293,25 +294,37 @@ def test_a_single_stop_string_is_normalized_to_a_list():
 
 
 def test_eos_stops_unless_ignored():
-    assert check_stop([5, 0], "hi", SamplingParams(), eos_token_id=0) == (True, "stop", "hi")
-    assert check_stop([5, 0], "hi", SamplingParams(ignore_eos=True), eos_token_id=0) == (False, None, "hi")
+    assert check_stop([5], 0, "hi", SamplingParams(), eos_token_ids=[0]) == (True, "stop", "hi")
+    assert check_stop([5], 0, "hi", SamplingParams(ignore_eos=True), eos_token_ids=[0]) == (False, None, "hi")
+
+
+def test_every_eos_id_stops_not_only_the_first():
+    # A chat model often ends with either of two ids (e.g. <|endoftext|> and <|im_end|>).
+    decision = check_stop([5], 9, "hi", SamplingParams(max_tokens=2), eos_token_ids=[0, 9])
+    assert decision == (True, "stop", "hi")  # an EOS on the last allowed token is still a "stop"
+    assert check_stop([5], 9, "hi", SamplingParams(ignore_eos=True), eos_token_ids=[0, 9])[:2] == (False, None)
+    assert check_stop([5], 9, "hi", SamplingParams(), eos_token_ids=[])[:2] == (False, None)  # no EOS known
+
+
+def test_eos_ids_never_show_as_text():
+    assert not shows_text(9, [0, 9]) and shows_text(5, [0, 9])
 
 
 def test_stop_token_ids_stop():
-    assert check_stop([5, 7], "hi", SamplingParams(stop_token_ids=[7]), eos_token_id=0)[:2] == (True, "stop")
+    assert check_stop([5], 7, "hi", SamplingParams(stop_token_ids=[7]), eos_token_ids=[0])[:2] == (True, "stop")
 
 
 def test_max_tokens_finishes_with_reason_length():
     params = SamplingParams(max_tokens=2)
-    assert check_stop([5], "a", params, eos_token_id=0)[:2] == (False, None)
-    assert check_stop([5, 6], "ab", params, eos_token_id=0)[:2] == (True, "length")
+    assert check_stop([], 5, "a", params, eos_token_ids=[0])[:2] == (False, None)
+    assert check_stop([5], 6, "ab", params, eos_token_ids=[0])[:2] == (True, "length")
 
 
 def test_min_tokens_holds_back_every_stop_condition():
     params = SamplingParams(min_tokens=3, stop=["."], stop_token_ids=[7])
-    assert check_stop([0], "x.", params, eos_token_id=0) == (False, None, "x.")
-    assert check_stop([5, 7], "x.", params, eos_token_id=0) == (False, None, "x.")
-    assert check_stop([5, 6, 0], "x.", params, eos_token_id=0)[:2] == (True, "stop")
+    assert check_stop([], 0, "x.", params, eos_token_ids=[0]) == (False, None, "x.")
+    assert check_stop([5], 7, "x.", params, eos_token_ids=[0]) == (False, None, "x.")
+    assert check_stop([5, 6], 1, "x.", params, eos_token_ids=[0, 1])[:2] == (True, "stop")
 
 
 # ---- validation ----------------------------------------------------------------------------------

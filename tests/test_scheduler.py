@@ -17,8 +17,8 @@ class Bench:
     """A scheduler over a block manager, and requests whose sampled tokens we make up."""
 
     def __init__(self, num_blocks=64, block_size=4, swap_blocks=0, **config):
-        self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(SchedulerConfig(**config), self.bm, CONTEXT, swap_blocks)
+        self.bm = BlockManager(num_blocks, block_size, swap_blocks)
+        self.sched = Scheduler(SchedulerConfig(**config), self.bm, CONTEXT)
         self.n = 0
 
     def add(self, prompt_len=4, max_tokens=4, priority=0, tenant=None) -> Request:
@@ -163,7 +163,7 @@ def test_swap_preemption_moves_the_blocks_to_the_cpu_pool_and_back():
     victim = reqs[2]
     assert victim.status == SWAPPED and victim.num_computed_tokens == 4
     assert [gpu for gpu, _ in out.swap_out] == [2]  # its one block (prompt of 4 tokens) left the GPU
-    assert bench.sched.swap_pool.num_used == 1
+    assert bench.bm.swap_usage().used_blocks == 1
     swapped_in = False
     while bench.sched.has_unfinished():
         out = bench.step()
@@ -171,7 +171,7 @@ def test_swap_preemption_moves_the_blocks_to_the_cpu_pool_and_back():
             swapped_in = True
             assert victim.status == RUNNING and victim.num_computed_tokens == 5  # 4 back + this step's decode
             assert len(out.swap_in) == 1
-    assert swapped_in and bench.sched.swap_pool.num_used == 0
+    assert swapped_in and bench.bm.swap_usage().used_blocks == 0
     assert all(len(r.output_token_ids) == 8 for r in reqs)
 
 
@@ -188,7 +188,7 @@ def test_finishing_a_request_frees_its_gpu_and_cpu_blocks_at_once():
     fill_pool_and_grow(bench, reqs)
     for r in reqs:
         bench.sched.finish(r)
-    assert bench.bm.usage().used_blocks == 0 and bench.sched.swap_pool.num_used == 0
+    assert bench.bm.usage().used_blocks == 0 and bench.bm.swap_usage().used_blocks == 0
     assert not bench.sched.has_unfinished()
 
 

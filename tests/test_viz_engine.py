@@ -1,21 +1,18 @@
 """Chapter 05's figures: drawn from real engine traces, they show each request's life, the preemptions,
 the queues and the block pool of the step asked for; the numbers behind them are right."""
 
-import math
-
 import pytest
 from engine_fixtures import random_model
 from matplotlib.figure import Figure
 
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine, engine_config
+from engine.metrics import requests_from_trace, trace_metrics
 from engine.sampling import SamplingParams
-from engine.trace import ScheduledRequest, StepReport, Trace
+from engine.trace import Trace
 from engine.viz.engine import (
     STATE_COLORS,
     describe_step,
-    jain_fairness,
-    nearest_rank,
     preemption_steps,
     render_blocks,
     render_queues,
@@ -24,10 +21,8 @@ from engine.viz.engine import (
     render_sweep,
     render_timeline,
     render_timeline_comparison,
-    request_rows,
     step_states,
     timeline_spans,
-    trace_metrics,
     trace_player,
 )
 
@@ -88,14 +83,14 @@ def test_each_request_is_drawn_without_gaps_from_its_arrival_to_its_last_token(t
     spans = timeline_spans(trace)
     fig = render_timeline(trace)
     patches = _span_patches(fig)
-    for row in request_rows(trace):
-        rid, row_spans = row["request_id"], spans[row["request_id"]]
-        assert row_spans[0].start == row["arrival_step"] == 2 * int(rid[1:])  # arrived at its step
-        assert row_spans[-1].stop == row["finish_step"] + 1
+    for row in requests_from_trace(trace):
+        rid, row_spans = row.request_id, spans[row.request_id]
+        assert row_spans[0].start == row.arrival_step == 2 * int(rid[1:])  # arrived at its step
+        assert row_spans[-1].stop == row.finish_step + 1
         assert all(a.stop == b.start for a, b in zip(row_spans, row_spans[1:], strict=False))
         drawn = [p for p in patches if p.get_gid().startswith(f"span:{rid}:")]
         assert len(drawn) == len(row_spans)
-        assert sum(p.get_width() for p in drawn) == row["finish_step"] + 1 - row["arrival_step"]
+        assert sum(p.get_width() for p in drawn) == row.finish_step + 1 - row.arrival_step
 
 
 def test_a_recompute_preemption_shows_as_a_preempted_span_and_a_marker(trace):
@@ -193,42 +188,7 @@ def test_the_player_needs_ipywidgets_or_builds_play_and_slider(trace):
     assert [type(c).__name__ for c in controls] == ["Play", "IntSlider"] and controls[1].max == len(trace) - 1
 
 
-# ---- the numbers behind the figures ------------------------------------------------------------------
-
-
-def test_nearest_rank_percentiles_and_jain_fairness_by_hand():
-    assert nearest_rank([4, 1, 3, 2], 50) == 2  # ceil(0.5 * 4) = 2nd smallest
-    assert nearest_rank([4, 1, 3, 2], 99) == 4
-    assert math.isnan(nearest_rank([], 50))
-    assert jain_fairness([2.0, 2.0, 2.0]) == 1.0
-    assert jain_fairness([1.0, 0.0]) == 0.5  # (1)^2 / (2 * 1)
-
-
-def test_trace_metrics_of_a_hand_made_trace():
-    # a arrives at 0.0 and gets tokens at 1.0, 2.0, 3.0 (finished); b arrives at 0.5, one token at 3.0.
-    def step(i, t, scheduled, events):
-        work = [ScheduledRequest(r, "decode", 0, 1, 1) for r in scheduled]
-        return StepReport(i, t - 1.0, t, scheduled=work, events=events)
-
-    def arrived(r, t):
-        return {"type": "arrived", "request_id": r, "arrival_time": t, "num_prompt_tokens": 3, "tenant": r}
-
-    def finished(r):
-        return {"type": "finished", "request_id": r, "reason": "stop"}
-
-    trace = Trace(steps=[step(0, 1.0, ["a"], [arrived("a", 0.0), arrived("b", 0.5)]),
-                         step(1, 2.0, ["a"], []),
-                         step(2, 3.0, ["a", "b"], [finished("a"), finished("b")])])
-    m = trace_metrics(trace)
-    assert (m["requests"], m["finished"], m["output_tokens"], m["steps"]) == (2, 2, 4, 3)
-    assert m["duration_s"] == 3.0 and m["throughput_tok_s"] == 4 / 3.0
-    assert m["ttft_mean_s"] == (1.0 + 2.5) / 2 and m["ttft_p50_s"] == 1.0 and m["ttft_p99_s"] == 2.5
-    assert m["ttft_mean_steps"] == (1 + 3) / 2  # a: its first step; b: arrival step 0 .. step 2
-    assert m["tpot_mean_s"] == 1.0  # a: (3.0 - 1.0) / 2; b has one token (nan, left out)
-    assert m["itl_max_s"] == 1.0  # a's tokens at 1.0, 2.0, 3.0
-    # per-request rates: a 3 tokens / 3.0 s = 1.0, b 1 / 2.5 = 0.4 -> Jain (1.4)^2 / (2 * 1.16)
-    assert m["fairness"] == pytest.approx(1.4 ** 2 / (2 * 1.16))
-    assert trace_metrics(trace, tenant="b")["output_tokens"] == 1
+# ---- comparing runs (the serving numbers themselves are tested in test_metrics.py) -------------------
 
 
 def test_render_step_durations_draws_each_steps_time_and_tokens(trace, swap_trace):

@@ -122,7 +122,7 @@ def test_widget_redraws_and_reports_bad_inputs(capsys):
 
 
 def test_attention_variants_are_mha_gqa_and_mqa():
-    assert [s.kv_heads for _, s in attention_variants()] == [32, 8, 1]
+    assert [s.num_key_value_heads for _, s in attention_variants()] == [32, 8, 1]
 
 
 def test_attention_variant_bars_follow_the_formula():

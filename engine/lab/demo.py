@@ -20,7 +20,8 @@ is preempted to make room for r1's next token; r3 will be prefilled again, answe
       r1    json    decode   out  3/64          3 blocks  ' {"name":'
       r2    refuse  decode   out  3/24          3 blocks  ' Sure, here'
 
-and at the end the run's summary: throughput, TTFT (mean, P50, P99), TPOT, preemptions.
+and at the end the run's summary (from `engine/metrics.py`): throughput, TTFT (mean, P50, P95, P99), TPOT,
+preemptions.
 
 The arrivals driver behind it (`run_arrivals`, also behind chapter 05's experiments) lives with the other
 workloads in `engine/lab/workloads.py`.
@@ -39,9 +40,9 @@ from engine.lab import tasks
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
+from engine.metrics import trace_summary
 from engine.sampling import SamplingParams
 from engine.trace import StepReport, Trace
-from engine.viz.engine import trace_metrics
 
 # The demo's engine: a pool that holds a few short requests but not everybody at their longest, so
 # one preemption happens; a token budget that makes the long prompt prefill in several chunks.
@@ -160,18 +161,19 @@ def format_step(report: StepReport, engine: LLMEngine, labels: dict[str, str]) -
 
 
 def format_summary(trace: Trace) -> str:
-    """The run's metrics, for the end of the demo."""
-    m = trace_metrics(trace)
-    ms = 1e3
+    """The run's metrics (`engine.metrics.trace_summary`), for the end of the demo."""
+    m = trace_summary(trace)
+    ttft, tpot, itl = m.ttft_s, m.tpot_s, m.itl_s
     return "\n".join([
         "── summary ".ljust(LINE_WIDTH, "─"),
-        f"{m['finished']}/{m['requests']} requests finished in {m['steps']} steps, {m['duration_s']:.1f} s; "
-        f"{m['output_tokens']} tokens generated",
-        f"throughput   {m['throughput_tok_s']:.1f} tokens/s   ({m['tokens_per_step']:.2f} tokens per step)",
-        f"TTFT         mean {m['ttft_mean_s'] * ms:.0f} ms   P50 {m['ttft_p50_s'] * ms:.0f} ms   "
-        f"P99 {m['ttft_p99_s'] * ms:.0f} ms   (mean {m['ttft_mean_steps']:.1f} steps)",
-        f"TPOT         mean {_ms(m['tpot_mean_s'])}   (longest gap between two tokens: {_ms(m['itl_max_s'])})",
-        f"preemptions  {m['preemptions']}",
+        f"{m.finished}/{m.requests} requests finished in {m.steps} steps, {m.duration_s:.1f} s; "
+        f"{m.output_tokens} tokens generated",
+        f"throughput   {m.throughput_tok_s:.1f} tokens/s   ({m.tokens_per_step:.2f} tokens per step)",
+        f"TTFT         mean {_ms(ttft.mean)}   P50 {_ms(ttft.p50)}   P95 {_ms(ttft.p95)}   P99 {_ms(ttft.p99)}"
+        f"   (mean {m.ttft_steps.mean:.1f} steps)",
+        f"TPOT         mean {_ms(tpot.mean)}   P99 {_ms(tpot.p99)}   (longest gap between two tokens: "
+        f"{_ms(itl.max)})",
+        f"preemptions  {m.preemptions}",
     ])
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
+from engine.metrics import nearest_rank
 from engine.sampling import SamplingParams
 from engine.trace import StepReport, Trace
 
@@ -111,12 +112,9 @@ def length_summary(lengths: list[int]) -> dict[str, float]:
     if not lengths:
         raise ValueError("lengths is empty: need at least one length to summarise")
     ordered = sorted(lengths)
-
-    def rank(q: float) -> int:  # nearest rank: the smallest value with at least q of the data at or below it
-        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-    return {"count": len(ordered), "mean": sum(ordered) / len(ordered), "median": rank(0.5),
-            "p90": rank(0.9), "p99": rank(0.99), "max": ordered[-1]}
+    median, p90, p99 = (nearest_rank(ordered, q) for q in (50, 90, 99))
+    return {"count": len(ordered), "mean": sum(ordered) / len(ordered), "median": median,
+            "p90": p90, "p99": p99, "max": ordered[-1]}
 
 
 # ---- arrivals: requests that come in over time -------------------------------------------------------

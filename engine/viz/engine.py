@@ -7,7 +7,8 @@
     render_step                all of them at step i: the picture the player redraws
     trace_player               ipywidgets Play + slider over render_step (static fallback: render_step)
     render_step_durations      each step's wall time and tokens, for one or more runs (chunked prefill)
-    render_sweep               throughput, TTFT and fairness against a scheduler knob (rows of trace_metrics)
+    render_sweep               throughput, TTFT and fairness against a scheduler knob (rows of
+                               engine.metrics.trace_metrics)
 
 How to read a timeline (one character per step; the figure draws coloured bars):
 
@@ -20,8 +21,9 @@ How to read a timeline (one character per step; the figure draws coloured bars):
 A row starts when the request arrives and ends in the step that produced its last token.
 "stalled" means admitted (holding KV blocks) but not scheduled in that step (the token budget ran out).
 
-The numbers behind the pictures are public (`step_states`, `timeline_spans`, `request_rows`,
-`trace_metrics`), so a test or a reader can check them without a figure. Artists carry a `gid`:
+The numbers behind the pictures are public (`step_states`, `timeline_spans`, `queue_lengths`), so a
+test or a reader can check them without a figure; the serving metrics in the titles (throughput, TTFT,
+TPOT, fairness) come from `engine/metrics.py`, the one place they are computed. Artists carry a `gid`:
 a span is "span:<id>:<state>", a preemption marker "preempted:<id>", a queue line "queue:<name>".
 """
 
@@ -35,6 +37,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from engine.metrics import trace_metrics
 from engine.trace import StepReport, Trace
 from engine.viz.blocks import BlockGridSnapshot, _draw_block_grid, render_block_grid
 
@@ -55,7 +58,6 @@ MAX_TIMELINE_INCHES = 9.0  # a 200-request timeline still fits on a screen; its 
 ROW_LABELS_MAX = 40  # above this many rows we label every k-th row only, so labels do not overlap
 NOW_ALPHA = 0.12  # the shade over the current step's column: visible, yet the bars under it stay readable
 PLAYER_INTERVAL_MS = 800  # one step per 0.8 s: slow enough to read the step's title
-NEAREST_RANK_PERCENTILES = (50, 99)
 
 
 def _new_figure(figsize, nrows: int = 1, ncols: int = 1, **kw):
@@ -124,91 +126,6 @@ def preemption_steps(trace: Trace, upto_step: int | None = None) -> list[tuple[i
     return [(i, e["request_id"], e.get("mode", "recompute"))
             for i, report in enumerate(trace.steps[:last + 1])
             for e in report.events if e.get("type") == "preempted"]
-
-
-def _arrivals(trace: Trace) -> dict[str, dict]:
-    return {e["request_id"]: e for report in trace.steps for e in report.events if e.get("type") == "arrived"}
-
-
-def token_times(trace: Trace) -> dict[str, list[float]]:
-    """{request id: the end time of each step that gave it a token} (one entry per token)."""
-    out: dict[str, list[float]] = {}
-    for report in trace.steps:
-        for s in report.scheduled:
-            out.setdefault(s.request_id, []).extend([report.end_time] * s.tokens_out)
-    return out
-
-
-def request_rows(trace: Trace) -> list[dict]:
-    """One dict per request, in arrival order: tenant, priority, tokens, and its times in seconds
-    (TTFT, TPOT, end-to-end, and the longest gap between two of its tokens, `itl_max_s`) and in
-    steps (TTFT counts the arrival step and the first token's step)."""
-    arrived, times, rows = _arrivals(trace), token_times(trace), []
-    for rid, r in trace.requests().items():
-        e, t = arrived.get(rid, {}), times.get(rid, [])
-        ttft_steps = None if r.first_token_step is None else r.first_token_step - r.arrival_step + 1
-        itl_max = max((b - a for a, b in zip(t, t[1:], strict=False)), default=math.nan)
-        rows.append({"request_id": rid, "tenant": e.get("tenant"), "priority": e.get("priority", 0),
-                     "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
-                     "arrival_step": r.arrival_step, "first_token_step": r.first_token_step,
-                     "finish_step": r.finish_step, "finish_reason": r.finish_reason,
-                     "ttft_steps": ttft_steps, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s,
-                     "itl_max_s": itl_max, "preemptions": r.num_preemptions})
-    return rows
-
-
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    """The q-th percentile by nearest rank: the smallest value with at least q% of the data at or below
-    it (P99 of 20 values is their maximum). nan for no values."""
-    ordered = sorted(v for v in values if not math.isnan(v))
-    if not ordered:
-        return math.nan
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def _mean(values: Sequence[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return sum(values) / len(values) if values else math.nan
-
-
-def jain_fairness(values: Sequence[float]) -> float:
-    """Jain's index (sum x)^2 / (n * sum x^2): 1 when every x is equal, 1/n when one gets everything."""
-    values = [v for v in values if not math.isnan(v)]
-    square_sum = sum(v * v for v in values)
-    return sum(values) ** 2 / (len(values) * square_sum) if square_sum > 0 else math.nan
-
-
-def trace_metrics(trace: Trace, tenant: str | None = None) -> dict:
-    """The run's summary: throughput, TTFT (mean, P50, P99; seconds and steps), TPOT, the longest gap
-    between two tokens of any request (itl_max_s: the worst stall a streaming user saw), preemptions.
-
-    throughput_tok_s = output tokens / (last step's end - first arrival or first step's start).
-    fairness = Jain's index of each finished request's own rate (its output tokens / its end-to-end
-    time): 1.0 when every request was served at the same pace. With `tenant`, only that tenant's
-    requests count (the duration stays the whole run's).
-    """
-    if not trace.steps:
-        raise ValueError("trace_metrics: trace has no steps")
-    rows = [r for r in request_rows(trace) if tenant is None or r["tenant"] == tenant]
-    start = min([trace[0].start_time] + [r.arrival_time for r in trace.requests().values()])
-    duration = trace[-1].end_time - start
-    tokens = sum(r["output_tokens"] for r in rows)
-    ttft = [r["ttft_s"] for r in rows]
-    ttft_steps = [float(r["ttft_steps"]) for r in rows if r["ttft_steps"] is not None]
-    done = [r for r in rows if r["finish_step"] is not None and r["output_tokens"] > 0]
-    out = {"requests": len(rows), "finished": len(done), "steps": len(trace), "output_tokens": tokens,
-           "duration_s": duration, "throughput_tok_s": tokens / duration if duration > 0 else math.nan,
-           "tokens_per_step": tokens / len(trace),
-           "ttft_mean_s": _mean(ttft), "ttft_mean_steps": _mean(ttft_steps)}
-    for q in NEAREST_RANK_PERCENTILES:
-        out[f"ttft_p{q}_s"] = nearest_rank(ttft, q)
-        out[f"ttft_p{q}_steps"] = nearest_rank(ttft_steps, q)
-    out["tpot_mean_s"] = _mean([r["tpot_s"] for r in rows])
-    out["itl_max_s"] = max((r["itl_max_s"] for r in rows if not math.isnan(r["itl_max_s"])), default=math.nan)
-    out["e2e_mean_s"] = _mean([r["e2e_s"] for r in rows])
-    out["preemptions"] = sum(r["preemptions"] for r in rows)
-    out["fairness"] = jain_fairness([r["output_tokens"] / r["e2e_s"] for r in done if r["e2e_s"] > 0])
-    return out
 
 
 def describe_step(report: StepReport) -> str:
@@ -413,7 +330,8 @@ def render_step_durations(traces: Mapping[str, Trace]) -> Figure:
 
 def render_sweep(rows: Sequence[Mapping], knob: str) -> Figure:
     """Throughput, latency (TTFT and TPOT) and fairness against a scheduler knob, from rows that each
-    hold the knob's value and the keys of `trace_metrics` (e.g. {"max_num_seqs": 4, **trace_metrics(t)})."""
+    hold the knob's value and the keys of `engine.metrics.trace_metrics`
+    (e.g. {"max_num_seqs": 4, **trace_metrics(t)})."""
     if not rows or any(knob not in r for r in rows):
         raise ValueError(f"render_sweep: rows must be a non-empty list of dicts, each with the knob {knob!r}")
     x = [r[knob] for r in rows]

@@ -28,13 +28,12 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from engine.config import MODEL_PRESETS, ModelConfig
 from engine.memory import (
     ACTIVATION_RESERVE_FRACTION,
     DTYPE_BYTES,
     GB,
     GPU_MEMORY_GB,
-    PRESETS,
-    ModelShape,
     dtype_bytes,
     kv_bytes_per_token,
     max_concurrent_sequences,
@@ -62,6 +61,8 @@ CALCULATOR_LIMITS: dict[str, tuple[int, int]] = {
     "head_dim": (8, 1024),
 }
 CALCULATOR_AXES = ("tokens", "batch")
+# The calculator's names for the formula's factors (its sliders), and the ModelConfig fields they set.
+CALCULATOR_FIELDS = {"layers": "num_hidden_layers", "kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
 
 
 def _new_figure(figsize=FIGSIZE, ncols: int = 1):
@@ -215,26 +216,31 @@ def render_step_time_curves(step_times_s: Mapping[str, Sequence[float]], prompt_
 
 
 def calculator_shape(preset: str, layers: int | None = None, kv_heads: int | None = None,
-                     head_dim: int | None = None) -> ModelShape:
-    """A preset's shape with some of the formula's factors changed (what the calculator's sliders do).
+                     head_dim: int | None = None) -> ModelConfig:
+    """A preset's config with some of the formula's factors changed (what the calculator's sliders do).
 
     The weights follow the change too (fewer KV heads: smaller k/v projections), so the picture stays
     one consistent, if hypothetical, model.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"calculator_shape: preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    shape = PRESETS[preset]
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"calculator_shape: preset must be one of {sorted(MODEL_PRESETS)}, got {preset!r}")
+    config = MODEL_PRESETS[preset]
     changes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     changes = {field: value for field, value in changes.items() if value is not None}
     for field, value in changes.items():
         _check_range("calculator_shape", field, value)
     if not changes:
-        return shape
-    name = shape.name + " (" + ", ".join(f"{k}={v}" for k, v in changes.items()) + ")"
-    return dataclasses.replace(shape, name=name, **changes)  # ModelShape checks kv_heads divides heads
+        return config
+    heads = config.num_attention_heads
+    if heads % changes.get("kv_heads", config.num_key_value_heads):
+        raise ValueError(f"calculator_shape: kv_heads must divide heads={heads} (each KV head serves a "
+                         f"whole group of query heads), got {kv_heads}")
+    name = config.name + " (" + ", ".join(f"{k}={v}" for k, v in changes.items()) + ")"
+    fields = {CALCULATOR_FIELDS[k]: int(v) for k, v in changes.items()}  # a slider may hand us numpy ints
+    return dataclasses.replace(config, name=name, **fields)
 
 
-def _kv_curve_gb(shape: ModelShape, per_token: int, batch: int, tokens: int, vs: str,
+def _kv_curve_gb(shape: ModelConfig, per_token: int, batch: int, tokens: int, vs: str,
                  x: np.ndarray) -> np.ndarray:
     """KV GB along the x axis (tokens per sequence, or batch), a sliding window capping the tokens."""
     window = shape.sliding_window or math.inf
@@ -243,7 +249,7 @@ def _kv_curve_gb(shape: ModelShape, per_token: int, batch: int, tokens: int, vs:
     return per_token * x * min(tokens, window) / GB
 
 
-def _fit_label(shape: ModelShape, card_gb: int, batch: int, tokens: int, vs: str,
+def _fit_label(shape: ModelConfig, card_gb: int, batch: int, tokens: int, vs: str,
                weight_dtype, kv_dtype) -> str:
     """What fits on one card after the weights and vLLM's 10% reserve (engine.memory.plan_memory)."""
     try:
@@ -259,7 +265,7 @@ def _fit_label(shape: ModelShape, card_gb: int, batch: int, tokens: int, vs: str
     return f"{per_sequence:,} tokens per sequence fit"
 
 
-def _x_axis(shape: ModelShape, weights_gb: float, per_token: int, batch: int, tokens: int,
+def _x_axis(shape: ModelConfig, weights_gb: float, per_token: int, batch: int, tokens: int,
             vs: str) -> np.ndarray:
     """From 0 (or batch 1) to past the point where the largest card fills (or 2x the chosen value)."""
     chosen = tokens if vs == "tokens" else batch
@@ -273,13 +279,13 @@ def _x_axis(shape: ModelShape, weights_gb: float, per_token: int, batch: int, to
     return np.linspace(0 if vs == "tokens" else 1, end, CURVE_POINTS)
 
 
-def render_kv_calculator(shape: ModelShape | str = "Llama-3-8B", batch: int = 1, tokens: int = 8192,
+def render_kv_calculator(shape: ModelConfig | str = "Llama-3-8B", batch: int = 1, tokens: int = 8192,
                          kv_dtype="fp16", weight_dtype="fp16", vs: str = "tokens") -> Figure:
     """Weights plus KV cache, M_KV = 2·L·B·T·Hkv·D·b, against tokens per sequence or batch size.
 
     The weights are the grey band at the bottom, the KV cache is stacked on top; horizontal lines
     are 24, 80 and 141 GB cards, and the legend says what fits on each after the weights and a 10%
-    reserve. The dot marks (batch, tokens). `shape` is a ModelShape or a preset name.
+    reserve. The dot marks (batch, tokens). `shape` is a ModelConfig or a preset name.
     """
     if isinstance(shape, str):
         shape = calculator_shape(shape)
@@ -306,27 +312,27 @@ def render_kv_calculator(shape: ModelShape | str = "Llama-3-8B", batch: int = 1,
     ax.plot([chosen], [weights_gb + chosen_kv], "ko", gid="chosen")
     ax.annotate(f"B={batch}, T={tokens:,}: {weights_gb:.1f} + {chosen_kv:.1f} GB",
                 (chosen, weights_gb + chosen_kv), textcoords="offset points", xytext=(6, 6))
-    factors = f"2·{shape.layers}·B·T·{shape.kv_heads}·{shape.head_dim}·{b:g} B"
+    factors = f"2·{shape.num_hidden_layers}·B·T·{shape.num_key_value_heads}·{shape.head_dim}·{b:g} B"
     window = f", window {shape.sliding_window} tokens" if shape.sliding_window else ""
     ax.set(xlabel="tokens per sequence (T)" if vs == "tokens" else "sequences (B)", ylabel="GB (10^9 bytes)",
            ylim=(0, max(max(GPU_MEMORY_GB.values()), weights_gb + kv_gb.max()) * 1.1),
-           title=f"{shape.name}: M_KV = {factors}{window}"
+           title=f"{shape.name or 'model'}: M_KV = {factors}{window}"
                  + (f" at B={batch}" if vs == "tokens" else f" at T={tokens:,}"))
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, alpha=0.3)
     return fig
 
 
-def attention_variants(base: str = "Llama-3-8B", mha: str = "Llama-2-7B") -> list[tuple[str, ModelShape]]:
+def attention_variants(base: str = "Llama-3-8B", mha: str = "Llama-2-7B") -> list[tuple[str, ModelConfig]]:
     """Real MHA and GQA models of about the same size, plus the GQA one redone as MQA (hypothetical)."""
-    m, g = PRESETS[mha], PRESETS[base]
-    mqa = dataclasses.replace(g, name=f"{g.name} as MQA", kv_heads=1)
-    return [(f"{m.name}\nMHA, {m.kv_heads} KV heads", m),
-            (f"{g.name}\nGQA, {g.kv_heads} KV heads", g),
+    m, g = MODEL_PRESETS[mha], MODEL_PRESETS[base]
+    mqa = dataclasses.replace(g, name=f"{g.name} as MQA", num_key_value_heads=1)
+    return [(f"{m.name}\nMHA, {m.num_key_value_heads} KV heads", m),
+            (f"{g.name}\nGQA, {g.num_key_value_heads} KV heads", g),
             (f"{mqa.name}\n1 KV head (hypothetical)", mqa)]
 
 
-def render_attention_variants(variants: Sequence[tuple[str, ModelShape]] | None = None,
+def render_attention_variants(variants: Sequence[tuple[str, ModelConfig]] | None = None,
                               tokens: int = 8192, batch: int = 1, kv_dtype="fp16",
                               card_gb: int = 80) -> Figure:
     """Left: KV GB of `batch` sequences of `tokens` tokens. Right: how many fit on a `card_gb` card."""
@@ -389,19 +395,19 @@ def kv_calculator_widget(preset: str = "Llama-3-8B", batch: int = 32, tokens: in
     int_slider = lambda field, value, **kw: w.IntSlider(  # noqa: E731 - a tiny local factory
         value=value, min=CALCULATOR_LIMITS[field][0], description=field, continuous_update=False, **kw)
     controls = {
-        "preset": w.Dropdown(options=sorted(PRESETS), value=preset, description="preset"),
-        "layers": int_slider("layers", shape.layers, max=CALCULATOR_LIMITS["layers"][1]),
+        "preset": w.Dropdown(options=sorted(MODEL_PRESETS), value=preset, description="preset"),
+        "layers": int_slider("layers", shape.num_hidden_layers, max=CALCULATOR_LIMITS["layers"][1]),
         "batch": int_slider("batch", batch, max=SLIDER_BATCH_MAX),
         "tokens": int_slider("tokens", tokens, max=SLIDER_TOKENS_MAX, step=SLIDER_TOKENS_STEP),
-        "kv_heads": int_slider("kv_heads", shape.kv_heads, max=CALCULATOR_LIMITS["kv_heads"][1]),
+        "kv_heads": int_slider("kv_heads", shape.num_key_value_heads, max=CALCULATOR_LIMITS["kv_heads"][1]),
         "head_dim": int_slider("head_dim", shape.head_dim, max=CALCULATOR_LIMITS["head_dim"][1]),
         "kv_dtype": w.Dropdown(options=list(DTYPE_BYTES), value="fp16", description="KV dtype"),
         "vs": w.ToggleButtons(options=list(CALCULATOR_AXES), value="tokens", description="x axis"),
     }
 
     def on_preset(change) -> None:  # a new preset resets L, Hkv and D to its published values
-        s = PRESETS[change["new"]]
-        controls["layers"].value, controls["kv_heads"].value = s.layers, s.kv_heads
+        s = MODEL_PRESETS[change["new"]]
+        controls["layers"].value, controls["kv_heads"].value = s.num_hidden_layers, s.num_key_value_heads
         controls["head_dim"].value = s.head_dim
 
     controls["preset"].observe(on_preset, names="value")

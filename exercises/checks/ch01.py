@@ -2,8 +2,9 @@
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch01_sampling.py` or the reference
 in `exercises/solutions/`, and raises with a message saying what went wrong. The filters are
-compared with engine/sampling.py on random logits (several seeds, one row and a batch) and on
-hand-made cases whose answers are worked out in the comments.
+compared with engine/sampling.py on random logits (several seeds, one row and a batch, and integer
+logits full of ties) and on hand-made cases whose answers are worked out in the comments. The filters
+have the engine's names and signatures, so these checks also run against engine/sampling.py itself.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ LOGIT_SCALE = 3.0  # spreads random logits so the filters have real work to do
 ATOL = 1e-6  # float32 softmax over a few logits; room for a different, correct order of operations
 DROPPED_BELOW = -1e4  # a logit below this counts as dropped: we accept -inf or a huge negative number
 PROBS = [0.4, 0.3, 0.2, 0.1]  # the hand-made distribution of the edge cases
+TIED_LOGITS = (-2, 3)  # integer logits in [-2, 3): six values over 11 tokens, so every row has ties
 
 
 # ---- helpers (no `check_` prefix, so they are not checks) -------------------------------------------
@@ -30,10 +32,14 @@ def _random_logits(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _random_inputs():
-    """(description, logits) pairs: one row [V] and a batch [B, V] per seed."""
+    """(description, logits) pairs: one row [V] and a batch [B, V] per seed, and a batch of integer
+    logits in which many tokens tie (where a filter that decides by sort position goes wrong)."""
     for seed in SEEDS:
         yield f"seed {seed}, shape ({VOCAB},)", _random_logits(seed, (VOCAB,))
         yield f"seed {seed}, shape ({BATCH}, {VOCAB})", _random_logits(seed, (BATCH, VOCAB))
+        generator = torch.Generator().manual_seed(seed)
+        tied = torch.randint(*TIED_LOGITS, (BATCH, VOCAB), generator=generator).float()
+        yield f"seed {seed}, integer logits with ties, shape ({BATCH}, {VOCAB})", tied
 
 
 def _logits_of(probs: list[float]) -> torch.Tensor:
@@ -82,11 +88,11 @@ def _compare_with_engine(fn, reference, args, name: str) -> None:
 # ---- temperature ----------------------------------------------------------------------------------
 
 
-def check_temperature_scale_divides_the_logits(mod) -> None:
+def check_apply_temperature_divides_the_logits(mod) -> None:
     for t in (0.5, 1.0, 2.0):
         for where, logits in _random_inputs():
-            call = f"temperature_scale(logits, {t}) ({where})"
-            got = _call(mod.temperature_scale, logits, t, call)
+            call = f"apply_temperature(logits, {t}) ({where})"
+            got = _call(mod.apply_temperature, logits, t, call)
             want = engine.apply_temperature(logits, t)
             assert torch.allclose(got, want, atol=ATOL), f"{call}: got {got.flatten()[:4].tolist()}..., " \
                 f"expected {want.flatten()[:4].tolist()}..."
@@ -128,6 +134,21 @@ def check_top_p_keeps_the_boundary_token(mod) -> None:
     _assert_keeps(mod.top_p_filter, PROBS, 0.35, [0], "top_p_filter(probs [.4 .3 .2 .1], p=0.35)", why)
 
 
+def check_top_p_keeps_every_token_tied_with_the_boundary(mod) -> None:
+    # sorted 0.4 0.3 0.3, p = 0.5: mass before 0 0.4 0.7, so the first 0.3 crosses p (the boundary).
+    # The second 0.3 is exactly as likely: which of the two a sort puts first is arbitrary, so both stay.
+    why = " (a token as likely as the boundary token stays too, whatever order the sort gave them)"
+    for probs, want in (([0.4, 0.3, 0.3], [0, 1, 2]), ([0.3, 0.4, 0.3], [0, 1, 2]),
+                        ([0.3, 0.3, 0.4], [0, 1, 2]), ([0.1, 0.3, 0.3, 0.3], [1, 2, 3])):
+        _assert_keeps(mod.top_p_filter, probs, 0.5, want, f"top_p_filter(probs {probs}, p=0.5)", why)
+    # the same in a batch: each row finds its own boundary
+    logits = torch.stack([_logits_of([0.4, 0.3, 0.3]), _logits_of([0.6, 0.3, 0.1])])  # [2, 3]
+    got = _call(mod.top_p_filter, logits, 0.5, "top_p_filter(batch of 2 rows, p=0.5)") > DROPPED_BELOW
+    assert [_ids(row) for row in got] == [[0, 1, 2], [0]], (
+        f"top_p_filter(probs [[.4 .3 .3], [.6 .3 .1]], p=0.5) kept {[_ids(row) for row in got]}, "
+        f"expected [[0, 1, 2], [0]]{why}")
+
+
 def check_top_p_handles_ties_inside_the_kept_set(mod) -> None:
     # 0.3 < 0.5 and 0.3 + 0.3 >= 0.5: both 0.3s stay, in whichever order a sort puts them
     _assert_keeps(mod.top_p_filter, [0.2, 0.3, 0.2, 0.3], 0.5, [1, 3],
@@ -161,6 +182,9 @@ def check_min_p_drops_tokens_below_a_fraction_of_the_top(mod) -> None:
 # ---- the naive generation loop ---------------------------------------------------------------------
 
 TABLE_MARGIN = 100.0  # how far the chosen next token's logit stands above random noise of std 1
+NEAR_TIE_SPREAD = 0.01  # logits within 0.01 of each other: softmax is nearly uniform, argmax still unique
+NEAR_TIE_STEPS = 40  # a sampler agrees with argmax about 1 step in 11 here: never 40 times running
+TORCH_SEEDS = (0, 1234)  # global seeds set before the runs: a greedy loop must not care
 
 
 class _TableModel:
@@ -186,9 +210,26 @@ class _TableModel:
         return self.table[ids[-1]].clone()
 
 
-def _generate(mod, max_new_tokens: int, eos_id: int) -> tuple[list[int], _TableModel]:
+class _NearTieModel:
+    """A fake model whose logits are nearly equal (within NEAR_TIE_SPREAD) and depend on the whole
+    sequence: only a true argmax follows its greedy path; sampling would wander off at once."""
+
+    def __call__(self, ids) -> torch.Tensor:
+        key = sum((i + 1) * int(t) for i, t in enumerate(ids)) + len(ids)  # any fixed function of the ids
+        return torch.rand(VOCAB, generator=torch.Generator().manual_seed(key)) * NEAR_TIE_SPREAD
+
+    def greedy_path(self, prompt: list[int], steps: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(steps):
+            row = self(ids).tolist()
+            ids.append(row.index(max(row)))  # the argmax, in plain Python
+        return ids[len(prompt):]
+
+
+def _generate(mod, max_new_tokens: int, eos_id: int, prompt=None) -> tuple[list[int], _TableModel]:
     model = _TableModel()
-    out = mod.naive_generate(model, list(_TableModel.PROMPT), max_new_tokens, eos_id)
+    prompt = list(_TableModel.PROMPT) if prompt is None else prompt
+    out = mod.naive_generate(model, prompt, max_new_tokens, eos_id)
     assert isinstance(out, list), f"naive_generate returned {type(out).__name__}, expected a list of ints"
     return [int(t) for t in out], model
 
@@ -199,10 +240,40 @@ def check_naive_generate_is_greedy(mod) -> None:
     assert out == want, f"naive_generate gave {out}, expected the argmax walk {want}"
 
 
+def check_naive_generate_takes_the_argmax_on_near_ties(mod) -> None:
+    model = _NearTieModel()
+    want = model.greedy_path([1, 2], NEAR_TIE_STEPS)
+    for seed in TORCH_SEEDS:
+        torch.manual_seed(seed)
+        out = [int(t) for t in mod.naive_generate(model, [1, 2], NEAR_TIE_STEPS, eos_id=VOCAB)]
+        first_wrong = next((i for i, (a, b) in enumerate(zip(out, want, strict=False)) if a != b), None)
+        assert out == want, (
+            f"with torch.manual_seed({seed}), on logits that differ by at most {NEAR_TIE_SPREAD}, "
+            f"naive_generate gave {out[:8]}... (first differs from the argmax path at step {first_wrong}), "
+            f"expected the argmax path {want[:8]}...: greedy means the most likely token, never a sample")
+
+
 def check_naive_generate_stops_after_eos(mod) -> None:
     out, _ = _generate(mod, max_new_tokens=6, eos_id=3)
     assert out == [6, 8, 3], (
         f"naive_generate with eos_id=3 gave {out}, expected [6, 8, 3] (eos included, then stop)")
+    # The prompt may itself end in (or contain) eos: only a GENERATED eos stops the loop.
+    out, _ = _generate(mod, max_new_tokens=6, eos_id=9)
+    assert out == [6, 8, 3, 10, 9], (
+        f"naive_generate(prompt [5, 9], eos_id=9) gave {out}, expected [6, 8, 3, 10, 9]: the 9 in the "
+        "prompt does not count, the loop stops after it generates a 9")
+
+
+def check_naive_generate_leaves_the_prompt_alone(mod) -> None:
+    prompt = list(_TableModel.PROMPT)
+    out, _ = _generate(mod, max_new_tokens=3, eos_id=0, prompt=prompt)
+    assert prompt == _TableModel.PROMPT, (
+        f"after naive_generate the caller's prompt list is {prompt}, it was {_TableModel.PROMPT}: copy it "
+        "into a list of your own before appending")
+    out_tuple, _ = _generate(mod, max_new_tokens=3, eos_id=0, prompt=tuple(_TableModel.PROMPT))
+    assert out_tuple == out == [6, 8, 3], (
+        f"naive_generate gave {out} for a list prompt and {out_tuple} for a tuple, expected [6, 8, 3] for "
+        "both (prompt_ids is any sequence of ints)")
 
 
 def check_naive_generate_feeds_the_whole_sequence_every_step(mod) -> None:

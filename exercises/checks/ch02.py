@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from engine.memory import PRESETS, ModelShape
+from engine.config import MODEL_PRESETS, ModelConfig
 from engine.roofline import MachineRoofline, forward_cost
 from engine.roofline import classify as engine_classify
 
@@ -25,22 +25,22 @@ REL_TOL = 1e-12  # the answers are exact integers or a single division; allow on
 # H100 SXM, dense bf16 989 TFLOP/s and 3.35 TB/s (ridge about 295 FLOP/B).
 A100 = MachineRoofline(312e12, 2.039e12, "bf16", "A100 SXM 80GB, spec sheet")
 H100 = MachineRoofline(989e12, 3.35e12, "bf16", "H100 SXM, spec sheet")
-LLAMA2 = PRESETS["Llama-2-7B"]
+LLAMA2 = MODEL_PRESETS["Llama-2-7B"]
 
 
-def _params_read(shape: ModelShape) -> int:
+def _params_read(shape: ModelConfig) -> int:
     """Parameters streamed each step: all but an untied embedding table (a lookup, not a matmul)."""
-    return shape.num_params() - (0 if shape.tied_embeddings else shape.vocab * shape.hidden)
+    return shape.num_params() - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
 
 
-def _flops(mod, shape: ModelShape, batch: int, context: int):
-    return mod.decode_step_flops(shape.matmul_params(), shape.layers, shape.heads, shape.head_dim,
-                                 batch, context)
+def _flops(mod, shape: ModelConfig, batch: int, context: int):
+    return mod.decode_step_flops(shape.matmul_params(), shape.num_hidden_layers, shape.num_attention_heads,
+                                 shape.head_dim, batch, context)
 
 
-def _bytes(mod, shape: ModelShape, batch: int, context: int, weight_b: float, kv_b: float):
-    return mod.decode_step_bytes(_params_read(shape), shape.layers, shape.kv_heads, shape.head_dim,
-                                 batch, context, weight_b, kv_b)
+def _bytes(mod, shape: ModelConfig, batch: int, context: int, weight_b: float, kv_b: float):
+    return mod.decode_step_bytes(_params_read(shape), shape.num_hidden_layers, shape.num_key_value_heads,
+                                 shape.head_dim, batch, context, weight_b, kv_b)
 
 
 def _assert_close(got, want, call: str) -> None:
@@ -61,7 +61,7 @@ def check_decode_step_flops_of_llama2_7b_by_hand(mod) -> None:
 
 
 def check_decode_step_flops_match_the_engine(mod) -> None:
-    for name, shape in PRESETS.items():
+    for name, shape in MODEL_PRESETS.items():
         for batch, context in DECODE_STEPS:
             want = forward_cost(shape, batch, 1, context, 2, 2).flops
             _assert_close(_flops(mod, shape, batch, context), want,
@@ -90,7 +90,7 @@ def check_decode_step_bytes_read_the_weights_once_per_batch(mod) -> None:
 
 
 def check_decode_step_bytes_match_the_engine(mod) -> None:
-    for name, shape in PRESETS.items():
+    for name, shape in MODEL_PRESETS.items():
         for batch, context in DECODE_STEPS:
             for weight_b, kv_b in DTYPES:
                 cost = forward_cost(shape, batch, 1, context, weight_b, kv_b)
@@ -105,7 +105,7 @@ def check_decode_step_bytes_match_the_engine(mod) -> None:
 
 def check_arithmetic_intensity_is_flops_per_byte(mod) -> None:
     _assert_close(mod.arithmetic_intensity(10, 4), 2.5, "arithmetic_intensity(10, 4)")
-    cost = forward_cost(PRESETS["Llama-3-8B"], 4, 16, 64, 2, 2)
+    cost = forward_cost(MODEL_PRESETS["Llama-3-8B"], 4, 16, 64, 2, 2)
     _assert_close(mod.arithmetic_intensity(cost.flops, cost.total_bytes), cost.intensity,
                   "arithmetic_intensity(flops, bytes) of a Llama-3-8B forward")
 
@@ -131,7 +131,7 @@ def check_classify_puts_the_ridge_point_on_the_compute_side(mod) -> None:
 def check_classify_matches_the_engine_on_prefill_and_decode(mod) -> None:
     # Llama-3-8B in fp16: decode at batch 1 is about 1 FLOP/B (left of both ridges); a 2048-token
     # prefill reuses every weight for 2048 tokens, about a thousand FLOP/B (right of both).
-    shape = PRESETS["Llama-3-8B"]
+    shape = MODEL_PRESETS["Llama-3-8B"]
     for roofline in (A100, H100):
         for what, cost in (("decode, batch 1", forward_cost(shape, 1, 1, 2048, 2, 2)),
                            ("prefill of 2048 tokens", forward_cost(shape, 1, 2048, 2048, 2, 2))):

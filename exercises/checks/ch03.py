@@ -12,6 +12,7 @@ import math
 import torch
 
 from engine import memory
+from engine.config import MODEL_PRESETS
 
 GB = 10**9
 REL_TOL = 1e-12  # products of integers (and 0.5): only float rounding may differ
@@ -44,12 +45,13 @@ def check_kv_cache_bytes_equals_the_nbytes_of_a_real_cache(mod) -> None:
 
 
 def check_kv_cache_bytes_matches_the_engine_on_every_preset(mod) -> None:
-    for name, s in memory.PRESETS.items():
+    for name, s in MODEL_PRESETS.items():
+        L, Hkv, D = s.num_hidden_layers, s.num_key_value_heads, s.head_dim
         for batch, tokens, b in ((1, 1, 2), (32, CONTEXT_8K, 2), (4, 1000, 0.5), (2, 4096, 1)):
-            want = memory.kv_cache_bytes(s.layers, batch, tokens, s.kv_heads, s.head_dim, b)
-            got = mod.kv_cache_bytes(s.layers, batch, tokens, s.kv_heads, s.head_dim, b)
-            _assert_close(got, want, f"kv_cache_bytes({name}: L={s.layers}, B={batch}, T={tokens}, "
-                          f"Hkv={s.kv_heads}, D={s.head_dim}, b={b})")
+            want = memory.kv_cache_bytes(L, batch, tokens, Hkv, D, b)
+            got = mod.kv_cache_bytes(L, batch, tokens, Hkv, D, b)
+            _assert_close(got, want, f"kv_cache_bytes({name}: L={L}, B={batch}, T={tokens}, "
+                          f"Hkv={Hkv}, D={D}, b={b})")
 
 
 def check_llama3_8b_at_8k_tokens_for_1_and_32_sequences(mod) -> None:
@@ -171,7 +173,7 @@ def check_max_sequences_is_zero_when_the_weights_do_not_fit(mod) -> None:
 
 
 def check_max_sequences_matches_the_engine_without_reserve(mod) -> None:
-    for name, s in memory.PRESETS.items():
+    for name, s in MODEL_PRESETS.items():
         weights_gb = memory.weight_bytes(s, "fp16") / GB
         per_token = memory.kv_bytes_per_token(s, "fp16")
         for gpu in memory.GPU_MEMORY_GB.values():

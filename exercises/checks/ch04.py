@@ -2,7 +2,8 @@
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch04_paged_kv.py` or the reference in
 `exercises/solutions/`. The answers come from two places: small cases worked out by hand in the
-comments, and `engine.block_manager` (BlockAllocator, BlockManager) doing the same thing.
+comments, and `engine.block_manager` (BlockAllocator, BlockManager) doing the same thing. The
+student's `BlockAllocator` has the engine's methods, so the allocator checks also pass on the engine's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 
-from engine.block_manager import BlockAllocator, BlockManager
+from engine.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError
 from engine.lab.workloads import sample_request_lengths, total_lengths
 from exercises.checks import raises
 
@@ -43,18 +44,19 @@ class _CountingAllocator:
 # ---- the allocator ----------------------------------------------------------------------------------
 
 
-def check_allocator_hands_out_every_block_once_thenraises(mod) -> None:
-    alloc = mod.TinyAllocator(5)
+def check_allocator_hands_out_every_block_once_then_raises(mod) -> None:
+    alloc = mod.BlockAllocator(5)
     got = [alloc.allocate() for _ in range(5)]
-    assert got == [0, 1, 2, 3, 4], f"a fresh TinyAllocator(5) handed out {got}, expected [0, 1, 2, 3, 4]"
-    assert alloc.num_free == 0, f"num_free is {alloc.num_free} after taking all 5 blocks, expected 0"
+    assert got == [0, 1, 2, 3, 4], f"a fresh BlockAllocator(5) handed out {got}, expected [0, 1, 2, 3, 4]"
+    assert (alloc.num_free, alloc.num_used) == (0, 5), (
+        f"(num_free, num_used) is {(alloc.num_free, alloc.num_used)} after taking all 5 blocks, expected (0, 5)")
     assert raises(alloc.allocate, RuntimeError), "allocate() on an empty pool must raise NoFreeBlocksError"
     assert alloc.free(2) is True and alloc.num_free == 1, "free(2) of a block held once must return True"
     assert alloc.allocate() == 2, "after free(2), the only free block, 2, must be handed out again"
 
 
 def check_allocator_frees_a_shared_block_only_when_the_last_owner_lets_go(mod) -> None:
-    alloc = mod.TinyAllocator(3)
+    alloc = mod.BlockAllocator(3)
     block = alloc.allocate()
     alloc.incref(block)
     alloc.incref(block)
@@ -66,7 +68,7 @@ def check_allocator_frees_a_shared_block_only_when_the_last_owner_lets_go(mod) -
 
 
 def check_allocator_refuses_a_double_free_and_unknown_ids(mod) -> None:
-    alloc = mod.TinyAllocator(4)
+    alloc = mod.BlockAllocator(4)
     block = alloc.allocate()
     alloc.free(block)
     assert raises(lambda: alloc.free(block), ValueError), "freeing a block twice must raise ValueError"
@@ -76,18 +78,36 @@ def check_allocator_refuses_a_double_free_and_unknown_ids(mod) -> None:
         assert raises(lambda b=bad: alloc.free(b), ValueError), f"free({bad}) in a pool of 4 must raise"
         assert raises(lambda b=bad: alloc.refcount(b), ValueError), f"refcount({bad}) must raise ValueError"
     assert alloc.num_free == 4, f"refused calls must change nothing: num_free is {alloc.num_free}, expected 4"
+    for bad in (0, -3):
+        assert raises(lambda n=bad: mod.BlockAllocator(n), ValueError), f"BlockAllocator({bad}) must raise ValueError"
+
+
+def check_allocate_many_takes_all_or_nothing(mod) -> None:
+    alloc = mod.BlockAllocator(5)
+    assert alloc.allocate_many(2) == [0, 1], "allocate_many(2) on a fresh pool of 5 must give [0, 1]"
+    assert raises(lambda: alloc.allocate_many(4), NoFreeBlocksError), (
+        "allocate_many(4) with 3 free blocks must raise NoFreeBlocksError")
+    assert alloc.num_free == 3 and alloc.refcount(2) == 0, (
+        f"after a refused allocate_many(4), num_free is {alloc.num_free} and block 2 has refcount "
+        f"{alloc.refcount(2)}, expected 3 and 0: check before taking any block")
+    assert alloc.allocate_many(3) == [2, 3, 4] and alloc.allocate_many(0) == [], (
+        "allocate_many(3) must then take the 3 free blocks [2, 3, 4], and allocate_many(0) nothing")
 
 
 def check_allocator_matches_the_engine_on_random_operations(mod) -> None:
     rng = random.Random(SEED)
-    mine, engine = mod.TinyAllocator(POOL), BlockAllocator(POOL)
+    mine, engine = mod.BlockAllocator(POOL), BlockAllocator(POOL)
     held: list[int] = []  # one entry per reference: a block appears as often as its refcount
     for step in range(RANDOM_OPS):
         op = rng.choice(["allocate", "allocate", "incref", "free", "free"])
         if op == "allocate" and engine.num_free:
-            got, want = mine.allocate(), engine.allocate()
-            assert got == want, f"operation {step}: allocate() gave {got}, the engine's allocator gave {want}"
-            held.append(want)
+            n = rng.choice([1, 1, 2])
+            if n > engine.num_free:
+                continue
+            got, want = mine.allocate_many(n), engine.allocate_many(n)
+            assert got == want, (
+                f"operation {step}: allocate_many({n}) gave {got}, the engine's allocator gave {want}")
+            held.extend(want)
         elif op == "incref" and held:
             block = rng.choice(held)
             mine.incref(block), engine.incref(block)
@@ -96,8 +116,9 @@ def check_allocator_matches_the_engine_on_random_operations(mod) -> None:
             block = held.pop(rng.randrange(len(held)))
             got, want = mine.free(block), engine.free(block)
             assert got == want, f"operation {step}: free({block}) returned {got}, the engine returned {want}"
-        assert mine.num_free == engine.num_free, (
-            f"operation {step} ({op}): num_free is {mine.num_free}, the engine's {engine.num_free}")
+        assert (mine.num_free, mine.num_used) == (engine.num_free, engine.num_used), (
+            f"operation {step} ({op}): (num_free, num_used) is {(mine.num_free, mine.num_used)}, "
+            f"the engine's {(engine.num_free, engine.num_used)}")
     counts = [mine.refcount(b) for b in range(POOL)]
     assert counts == [engine.refcount(b) for b in range(POOL)], f"refcounts {counts} differ from the engine's"
 
@@ -171,39 +192,64 @@ def check_append_tokens_matches_the_engine(mod) -> None:
 # ---- copy-on-write ----------------------------------------------------------------------------------
 
 
+FORK_POOL = 12  # blocks 0..11; the parent holds 4 and 7, and the next free block is 11
+
+
+def _pool_holding(table: list[int]) -> BlockAllocator:
+    """An engine allocator in which exactly the blocks of `table` are held (refcount 1), and the
+    free list runs from the highest id down, so the next block handed out is 11."""
+    alloc = BlockAllocator(FORK_POOL)
+    for block in reversed(alloc.allocate_many(FORK_POOL)):
+        if block not in table:
+            alloc.free(block)
+    return alloc
+
+
+def _fork(mod, table: list[int], tokens: int, new: int, want: tuple, want_refcounts: dict[int, int]) -> None:
+    alloc, call = _pool_holding(table), f"fork_copy_on_write({table}, {tokens} tokens, +{new}, BS 4)"
+    given = list(table)
+    child, copies = mod.fork_copy_on_write(given, tokens, new, 4, alloc)
+    assert (list(child), list(copies)) == want, f"{call} gave {(child, copies)}, expected {want}"
+    assert given == table, f"{call} changed the parent's table to {given}; build the child's in a new list"
+    got_counts = {b: alloc.refcount(b) for b in want_refcounts}
+    assert got_counts == want_refcounts, (
+        f"after {call}, the refcounts are {got_counts}, expected {want_refcounts}: each block counts the "
+        "tables that hold it (a shared block is held by parent and child; a block the child swapped out "
+        "is held by the parent alone)")
+
+
 def check_fork_copies_a_shared_partly_filled_last_block(mod) -> None:
     # BS = 4, parent [4, 7] with 6 tokens: block 7 holds 2 tokens. The child's next token would
     # land in slot 2 of block 7, which the parent also reads: the child gets block 11 instead.
-    child, copies = mod.fork_copy_on_write([4, 7], 6, 1, 4, _CountingAllocator([11]))
-    assert (child, copies) == ([4, 11], [(7, 11)]), (
-        f"fork_copy_on_write([4, 7], 6 tokens, +1, BS 4) gave {(child, copies)}, "
-        "expected ([4, 11], [(7, 11)])")
+    # Block 4 is now held by both tables (2), block 7 by the parent only (1), block 11 by the child (1).
+    _fork(mod, [4, 7], 6, 1, ([4, 11], [(7, 11)]), {4: 2, 7: 1, 11: 1})
 
 
 def check_fork_shares_full_blocks_without_copying(mod) -> None:
     # 8 tokens fill [4, 7] exactly: the child's next token opens a new block, nothing is copied.
-    child, copies = mod.fork_copy_on_write([4, 7], 8, 1, 4, _CountingAllocator([11]))
-    assert (child, copies) == ([4, 7, 11], []), (
-        f"fork_copy_on_write([4, 7], 8 tokens, +1, BS 4) gave {(child, copies)}, expected ([4, 7, 11], [])")
-    alloc = _CountingAllocator([11])
-    child, copies = mod.fork_copy_on_write([4, 7], 6, 0, 4, alloc)
-    assert (child, copies, alloc.calls) == ([4, 7], [], 0), "a child that writes nothing copies nothing"
+    _fork(mod, [4, 7], 8, 1, ([4, 7, 11], []), {4: 2, 7: 2, 11: 1})
+    # A child that writes nothing copies nothing and takes no block, but it does share both.
+    _fork(mod, [4, 7], 6, 0, ([4, 7], []), {4: 2, 7: 2, 11: 0})
 
 
 def check_fork_matches_the_engine(mod) -> None:
     for block_size in (1, 4, 16):
         for parent_tokens in (1, block_size, block_size + 1, 3 * block_size - 1):
-            for new in (1, 2, block_size + 3):
+            for new in (0, 1, 2, block_size + 3):
                 bm, twin = (BlockManager(num_blocks=64, block_size=block_size) for _ in range(2))
                 parent = bm.allocate(0, parent_tokens)
                 twin.allocate(0, parent_tokens)  # same state: twin's allocator hands out what bm's will
                 bm.fork(0, 1)
                 result = bm.append_slots(1, new)
-                got = mod.fork_copy_on_write(parent, parent_tokens, new, block_size, twin.allocator.allocate)
+                got = mod.fork_copy_on_write(parent, parent_tokens, new, block_size, twin.allocator)
                 want = (bm.block_table(1), result.copies)
+                call = f"fork_copy_on_write({parent}, {parent_tokens} tokens, +{new}, BS {block_size})"
                 assert (list(got[0]), list(got[1])) == want, (
-                    f"fork_copy_on_write({parent}, {parent_tokens} tokens, +{new}, BS {block_size}) gave "
-                    f"{got}, the engine's fork + append_slots gave {want}")
+                    f"{call} gave {got}, the engine's fork + append_slots gave {want}")
+                counts = [twin.allocator.refcount(b) for b in range(64)]
+                want_counts = [bm.allocator.refcount(b) for b in range(64)]
+                wrong = {b: (c, w) for b, (c, w) in enumerate(zip(counts, want_counts, strict=True)) if c != w}
+                assert not wrong, f"after {call}, block: (your refcount, the engine's) differ at {wrong}"
 
 
 # ---- how much is wasted -----------------------------------------------------------------------------
@@ -224,6 +270,10 @@ def check_contiguous_waste_of_a_small_batch(mod) -> None:
     got = mod.contiguous_waste([1, 2048, 1000], 2048)
     assert got == 3095, f"contiguous_waste([1, 2048, 1000], 2048) gave {got!r}, expected 3095"
     assert mod.contiguous_waste([], 2048) == 0, "no sequences, no waste"
+    # Each reserved max_len up front, however short the batch turned out: 3 x 4096 - 1000 - 300 - 20.
+    got = mod.contiguous_waste([1000, 300, 20], 4096)
+    assert got == 10_968, (f"contiguous_waste([1000, 300, 20], 4096) gave {got!r}, expected 10968: each "
+                           "sequence reserved max_len = 4096 slots, not the length of the longest one")
 
 
 def check_paged_waste_of_a_small_batch_and_of_the_engine(mod) -> None:

@@ -4,7 +4,7 @@ static batching's idle seats.
 Each `check_<claim>(mod)` runs against the student's `exercises/ch05_scheduling.py` or the reference in
 `exercises/solutions/`. The answers come from small cases worked out by hand in the comments, and
 from the engine itself: `engine.scheduler.Scheduler` deciding the same steps, `engine.scheduler.rank`
-choosing the same victims, `Trace.requests()` reading the same times, and a static-policy
+choosing the same victims, `engine.metrics` reading the same times, and a static-policy
 `LLMEngine` run whose step count shows the idle seats.
 """
 
@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, engine_config
+from engine.metrics import requests_from_trace
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -53,10 +54,12 @@ def check_schedule_step_admits_until_the_first_request_that_does_not_fit(mod) ->
 
 
 def check_schedule_step_lets_a_running_request_sit_out_and_keeps_going(mod) -> None:
-    # Budget 4: a (1) runs -> 3 left; p (5 tokens) sits out; b (1) still runs -> 2 left; c (2) admitted.
+    # Budget 4: a (1) runs -> 3 left; p (5 tokens) sits out; b (1) still runs -> 2 left; c (2) admitted,
+    # using the budget up exactly (a request that fits exactly, fits).
     got = mod.schedule_step([("a", 1, 0), ("p", 5, 1), ("b", 1, 0)], [("c", 2, 0)],
                             token_budget=4, max_num_seqs=8, free_blocks=10)
-    assert tuple(got) == (["a", "b"], ["c"]), f"got {got}, expected (['a', 'b'], ['c'])"
+    assert tuple(got) == (["a", "b"], ["c"]), (
+        f"got {got}, expected (['a', 'b'], ['c']): p sits out, b still runs, c fills the budget exactly")
     # No free block: x needs one and sits out; y needs none and runs.
     got = mod.schedule_step([("x", 1, 1), ("y", 1, 0)], [], token_budget=8, max_num_seqs=4, free_blocks=0)
     assert tuple(got) == (["y"], []), f"got {got}, expected (['y'], []): x needs a block and none is free"
@@ -193,7 +196,7 @@ def _tiny_model() -> LlamaModel:
 
 
 def check_ttft_and_tpot_match_the_engine_trace(mod) -> None:
-    """A real run with staggered arrivals and chunked prefill; Trace.requests() reads the same times."""
+    """A real run with staggered arrivals and chunked prefill; engine.metrics reads the same times."""
     config = engine_config(model="tiny", max_num_seqs=3, block_size=4, enable_chunked_prefill=True,
                            max_num_batched_tokens=8)
     engine = LLMEngine(_tiny_model(), None, config)
@@ -205,7 +208,7 @@ def check_ttft_and_tpot_match_the_engine_trace(mod) -> None:
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    want = {rid: (r.ttft_s, r.tpot_s) for rid, r in engine.trace.requests().items()}
+    want = {r.request_id: (r.ttft_s, r.tpot_s) for r in requests_from_trace(engine.trace)}
     _check_times(mod.ttft_and_tpot(engine.trace), want, "an engine trace")
 
 

@@ -13,7 +13,7 @@ import torch
 NEG_INF = float("-inf")  # a dropped token's logit: exp(-inf) = 0, so softmax renormalizes the rest
 
 
-def temperature_scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Divide the logits by the temperature (> 0): below 1 sharpens, above 1 flattens."""
     return logits / temperature
 
@@ -27,15 +27,20 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities add up to at least p."""
-    if p >= 1.0:
+    """Keep the smallest set of most likely tokens whose probabilities add up to at least p,
+    and every token tied with the last one kept (the boundary), whatever order a sort puts ties in.
+
+    Sorted probabilities 0.4 0.3 0.3 with p = 0.5: mass before each 0.0 0.4 0.7, so the first 0.3
+    crosses p and is the boundary; the other 0.3 is just as likely, so it stays too.
+    """
+    if p >= 1.0:  # skip the arithmetic: float rounding could drop tokens of tiny probability
         return logits.clone()
-    probs = torch.softmax(logits, dim=-1)
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [..., V] each
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [..., V]
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-    drop_sorted = mass_before >= p  # the token that crosses p has mass_before < p: it stays
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, NEG_INF)
+    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)  # [..., 1]: the boundary token is the last one
+    boundary = sorted_logits.gather(-1, n_keep - 1)  # [..., 1], the boundary token's logit
+    return logits.masked_fill(logits < boundary, NEG_INF)  # comparing values keeps every tie
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:

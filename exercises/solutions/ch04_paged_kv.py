@@ -10,16 +10,23 @@ from collections.abc import Callable, Sequence
 from engine.block_manager import NoFreeBlocksError
 
 
-class TinyAllocator:
+class BlockAllocator:
     """A free list of physical block ids (lowest first; freed ids go to the back) with refcounts."""
 
     def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
         self._free = deque(range(num_blocks))
         self._refcount = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
 
     def refcount(self, block: int) -> int:
         self._check_id(block)
@@ -31,6 +38,11 @@ class TinyAllocator:
         block = self._free.popleft()
         self._refcount[block] = 1
         return block
+
+    def allocate_many(self, n: int) -> list[int]:
+        if n > len(self._free):  # all or nothing: check before taking the first one
+            raise NoFreeBlocksError(needed=n, free=len(self._free))
+        return [self.allocate() for _ in range(n)]
 
     def incref(self, block: int) -> None:
         self._check_held(block)
@@ -45,8 +57,8 @@ class TinyAllocator:
         return False
 
     def _check_id(self, block: int) -> None:
-        if not 0 <= block < len(self._refcount):
-            raise ValueError(f"block {block} is unknown: valid ids are 0..{len(self._refcount) - 1}")
+        if not 0 <= block < self.num_blocks:  # a negative id would silently index from the end
+            raise ValueError(f"block {block} is unknown: valid ids are 0..{self.num_blocks - 1}")
 
     def _check_held(self, block: int) -> None:
         self._check_id(block)
@@ -67,14 +79,17 @@ def append_tokens(block_table: Sequence[int], num_tokens: int, new_tokens: int, 
 
 
 def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: int, block_size: int,
-                       allocate_fn: Callable[[], int]) -> tuple[list[int], list[tuple[int, int]]]:
+                       allocator: BlockAllocator) -> tuple[list[int], list[tuple[int, int]]]:
     """A child shares the parent's blocks, then writes `new_tokens`: returns (child table, copies)."""
     child, copies = list(block_table), []
+    for block in child:  # the fork: one more table holds each block
+        allocator.incref(block)
     if new_tokens and num_tokens % block_size != 0:  # the last block is shared and partly filled
-        copy = allocate_fn()
+        copy = allocator.allocate()
+        allocator.free(child[-1])  # the child lets go of the shared block; the parent still holds it
         copies.append((child[-1], copy))
         child[-1] = copy
-    return append_tokens(child, num_tokens, new_tokens, block_size, allocate_fn), copies
+    return append_tokens(child, num_tokens, new_tokens, block_size, allocator.allocate), copies
 
 
 def expected_waste_slots(block_size: int) -> float:

@@ -1,0 +1,173 @@
+"""The paged KV cache's tensors: one object owns every pool and does every block copy.
+
+The block manager (``engine/block_manager.py``) decides which block holds which tokens; this
+file holds the bytes. Per layer there is one K pool and one V pool on the device, and, when
+preemption is by swap, a CPU pool of the same layout for each::
+
+    layer l:  k[l], v[l]            [NB, BS, Hkv, D]    on the model's device
+              k_swap[l], v_swap[l]  [NSB, BS, Hkv, D]   on the CPU (NSB = 0: no swap pool)
+
+    slot s of the device pool  =  k[l][s // BS, s % BS]      (one token's K for every KV head)
+
+Sizing: how many blocks is decided by ``plan_num_blocks`` from the ``CacheConfig``, in bytes, as
+vLLM does: an explicit ``num_blocks``, an explicit ``kv_cache_memory_bytes``, or by default
+the smaller of what ``max_num_seqs`` full-length requests need and a default budget
+(``DEFAULT_KV_CACHE_MEMORY_BYTES``, or ``$SERVELAB_KVCACHE_SPACE`` GiB). ``log_kv_cache`` then
+tells the user what they got, in vLLM's words.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, KVCACHE_SPACE_ENV, CacheConfig, ModelConfig
+from engine.memory import kv_block_bytes, num_kv_blocks
+
+logger = logging.getLogger("engine")
+GiB = 2**30
+
+
+class PagedKVPool:
+    """Per-layer K and V pools [NB, BS, Hkv, D] on the device, their CPU swap twins, and the copies.
+
+    Attention reads and writes ``k[layer]`` / ``v[layer]`` in place; ``move_blocks`` does the
+    copies a scheduler step asks for (swap out, swap in, copy-on-write).
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 num_swap_blocks: int = 0):
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVPool: {name} must be an integer >= 1, got {value!r}")
+        if isinstance(num_swap_blocks, bool) or not isinstance(num_swap_blocks, int) or num_swap_blocks < 0:
+            raise ValueError(f"PagedKVPool: num_swap_blocks must be an integer >= 0, got {num_swap_blocks!r}")
+        self.num_blocks, self.block_size, self.num_swap_blocks = num_blocks, block_size, num_swap_blocks
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)  # [NB, BS, Hkv, D]
+        swap_shape = (num_swap_blocks, *shape[1:])  # [NSB, BS, Hkv, D]
+        pin = self.device.type == "cuda"  # page-locked CPU memory: faster device <-> CPU copies
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_swap = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.v_swap = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str, num_swap_blocks: int = 0) -> PagedKVPool:
+        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+                   config.head_dim, dtype, device, num_swap_blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device pools: K and V of every layer (the KV cache formula, T = NB * BS)."""
+        return sum(t.nbytes for t in self.k + self.v)
+
+    @property
+    def swap_nbytes(self) -> int:
+        """Bytes of the CPU swap pools."""
+        return sum(t.nbytes for t in self.k_swap + self.v_swap)
+
+    @torch.inference_mode()
+    def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                    copies: list[tuple[int, int]]) -> None:
+        """Do one step's copies, in a safe order: GPU->CPU, CPU->GPU, then GPU->GPU (copy-on-write).
+
+        swap_out: (GPU block, CPU block) pairs; swap_in: (CPU block, GPU block); copies: (src, dst).
+        Within one list no block is both a source and a destination (the block manager hands out
+        fresh blocks as destinations), so each list is done as one indexed copy per pool.
+        """
+        for pools, swaps in ((self.k, self.k_swap), (self.v, self.v_swap)):
+            for pool, swap in zip(pools, swaps, strict=True):
+                if swap_out:
+                    gpu, cpu = _indices(swap_out, self.device)
+                    swap[cpu.cpu()] = pool[gpu].cpu()
+                if swap_in:
+                    cpu, gpu = _indices(swap_in, self.device)
+                    pool[gpu] = swap[cpu.cpu()].to(self.device)
+                if copies:
+                    src, dst = _indices(copies, self.device)
+                    pool[dst] = pool[src]
+
+
+def _indices(pairs: list[tuple[int, int]], device) -> tuple[Tensor, Tensor]:
+    """[(a, b), ...] -> (tensor of the a's, tensor of the b's), int64 on `device`."""
+    both = torch.tensor(pairs, dtype=torch.int64, device=device)  # [P, 2]
+    return both[:, 0], both[:, 1]
+
+
+# ---- sizing ----------------------------------------------------------------------------------
+def default_kv_cache_memory_bytes(environ: Mapping[str, str] | None = None) -> int:
+    """The default KV budget: ``$SERVELAB_KVCACHE_SPACE`` GiB when set (like vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``), else ``DEFAULT_KV_CACHE_MEMORY_BYTES`` (4 GiB)."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(KVCACHE_SPACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_KV_CACHE_MEMORY_BYTES
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(f"{KVCACHE_SPACE_ENV}={text!r} must be a positive number of GiB (e.g. 4 or 0.5); "
+                         "unset it for the default of 4 GiB")
+    return int(gib * GiB)
+
+
+def plan_num_blocks(model_config: ModelConfig, cache: CacheConfig, max_num_seqs: int, dtype,
+                    environ: Mapping[str, str] | None = None) -> int:
+    """How many device KV blocks to allocate, from the CacheConfig (in this order):
+
+    1. ``num_blocks``, when given: exactly that many;
+    2. ``kv_cache_memory_bytes``, when given: as many whole blocks as fit in that many bytes;
+    3. otherwise the smaller of what ``max_num_seqs`` requests of ``max_position_embeddings``
+       tokens need and what fits in the default budget (``$SERVELAB_KVCACHE_SPACE`` GiB, or
+       ``DEFAULT_KV_CACHE_MEMORY_BYTES``). So a model with an 8k context does not reserve
+       16 x 8k tokens of KV, and a small model does not reserve more than it could ever use.
+    """
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory_bytes is not None:
+        return _blocks_in_budget(model_config, cache.block_size, dtype, cache.kv_cache_memory_bytes,
+                                 "kv_cache_memory_bytes")
+    needed = max_num_seqs * math.ceil(model_config.max_position_embeddings / cache.block_size)
+    environ = os.environ if environ is None else environ
+    budget = default_kv_cache_memory_bytes(environ)
+    source = KVCACHE_SPACE_ENV if environ.get(KVCACHE_SPACE_ENV, "").strip() else "DEFAULT_KV_CACHE_MEMORY_BYTES"
+    return min(needed, _blocks_in_budget(model_config, cache.block_size, dtype, budget, source))
+
+
+def _blocks_in_budget(model_config: ModelConfig, block_size: int, dtype, budget: int, source: str) -> int:
+    blocks = num_kv_blocks(model_config, block_size, dtype, budget)
+    if blocks < 1:
+        per_block = kv_block_bytes(model_config, block_size, dtype)
+        raise ValueError(f"{source} = {budget} bytes holds no KV block: one block of {block_size} tokens "
+                         f"takes {per_block} bytes for this model; give at least {per_block} bytes, "
+                         "or set num_blocks")
+    return blocks
+
+
+def log_kv_cache(pool: PagedKVPool, max_model_len: int) -> None:
+    """Tell the user, at INFO on the "engine" logger, what the KV cache holds (as vLLM logs it)."""
+    tokens = pool.num_blocks * pool.block_size
+    concurrency = pool.num_blocks / math.ceil(max_model_len / pool.block_size)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.3f GiB (%s); CPU swap space: %d blocks, "
+                "%.3f GiB", pool.num_blocks, pool.block_size, tokens, pool.nbytes / GiB,
+                str(pool.dtype).removeprefix("torch."), pool.num_swap_blocks, pool.swap_nbytes / GiB)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, concurrency)
+    if concurrency < 1:
+        logger.warning("the KV cache holds %d tokens, fewer than one request of max_model_len=%d: longer "
+                       "requests will be rejected; raise kv_cache_memory_bytes or num_blocks", tokens,
+                       max_model_len)

@@ -1,0 +1,403 @@
+"""Mutation tests for the exercise checks: the mistakes students really make must fail a check.
+
+A mutant is a reference solution with one plausible mistake patched into its source: `old` text
+replaced by `new` text inside one function. `old` must occur exactly once in that function, so a
+mutant whose solution changed under it fails loudly instead of silently testing nothing. Each
+mutant names the check that catches it (the table in exercises/README.md lists them); the test runs
+that check against the mutated module and demands that it fail.
+
+    python tests/test_exercise_mutants.py     # print the README table: every check each mutant fails
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import exercises
+
+MIN_MUTANTS_PER_FUNCTION = 3  # the issue asks for 3-6 plausible mistakes per solution function
+README = Path(exercises.PACKAGE_DIR) / "README.md"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    chapter: str
+    function: str  # the solution function (or class) the mistake is in
+    mistake: str  # what the student got wrong, in words
+    old: str
+    new: str
+    caught_by: str  # the check that must fail on it (its claim, without "check_")
+
+    @property
+    def id(self) -> str:
+        return f"{self.chapter}-{self.function}-{self.mistake}"
+
+
+def _m(chapter, function, mistake, old, new, caught_by):
+    return Mutant(chapter, function, mistake, old, new, caught_by)
+
+
+OLD_TOP_P = '''    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [..., V]
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
+    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)  # [..., 1]: the boundary token is the last one
+    boundary = sorted_logits.gather(-1, n_keep - 1)  # [..., 1], the boundary token's logit
+    return logits.masked_fill(logits < boundary, NEG_INF)  # comparing values keeps every tie'''
+BY_SORT_POSITION = '''    sorted_probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), NEG_INF)'''
+APPEND_THEN_STOP = '''        ids.append(token)
+        new_ids.append(token)
+        if token == eos_id:
+            break'''
+STOP_THEN_APPEND = '''        if token == eos_id:
+            break
+        ids.append(token)
+        new_ids.append(token)'''
+WRITE_K_AND_V = '''    cache_k[rows, positions] = k_new  # cache_k[rows, positions] is [B, T, Hkv, D]
+    cache_v[rows, positions] = v_new'''
+RUN_IF_IT_FITS = '''        if tokens <= budget and need <= blocks:
+            ran.append(rid)
+            budget, blocks = budget - tokens, blocks - need'''
+
+MUTANTS = [
+    # ---- ch01: sampling filters and the naive loop ------------------------------------------------
+    _m("ch01", "apply_temperature", "multiplies by t", "logits / temperature", "logits * temperature",
+       "apply_temperature_divides_the_logits"),
+    _m("ch01", "apply_temperature", "divides in place", "return logits / temperature",
+       "logits /= temperature\n    return logits", "apply_temperature_divides_the_logits"),
+    _m("ch01", "apply_temperature", "softmax before temperature", "return logits / temperature",
+       "return torch.softmax(logits, dim=-1) / temperature", "apply_temperature_divides_the_logits"),
+    _m("ch01", "top_k_filter", "drops the k-th (<= instead of <)", "logits < kth_largest", "logits <= kth_largest",
+       "top_k_keeps_ties_at_the_boundary"),
+    _m("ch01", "top_k_filter", "keeps exactly k (ties broken by index)",
+       "    return logits.masked_fill(logits < kth_largest, NEG_INF)",
+       "    keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, torch.topk(logits, k, dim=-1).indices, "
+       "True)\n    return logits.masked_fill(~keep, NEG_INF)",
+       "top_k_keeps_ties_at_the_boundary"),
+    _m("ch01", "top_k_filter", "keeps k - 1 tokens", "torch.topk(logits, k, dim=-1)",
+       "torch.topk(logits, k - 1, dim=-1)", "top_k_matches_the_engine_on_random_logits"),
+    _m("ch01", "top_k_filter", "k = 0 / -1 not treated as off", "if k <= 0 or k >= logits.shape[-1]:",
+       "if k >= logits.shape[-1]:", "top_k_is_off_for_0_minus_1_and_k_at_least_vocab"),
+    _m("ch01", "top_k_filter", "top-k over the batch axis", "torch.topk(logits, k, dim=-1)",
+       "torch.topk(logits, k, dim=0)", "top_k_matches_the_engine_on_random_logits"),
+    _m("ch01", "top_p_filter", "drops the boundary token", "(mass_before < p)",
+       "(mass_before + sorted_probs < p)", "top_p_keeps_the_boundary_token"),
+    _m("ch01", "top_p_filter", "decides by sort position (drops tokens tied with the boundary)", OLD_TOP_P,
+       BY_SORT_POSITION, "top_p_keeps_every_token_tied_with_the_boundary"),
+    _m("ch01", "top_p_filter", "no shortcut for p = 1 (float rounding drops tokens)",
+       "    if p >= 1.0:  # skip the arithmetic: float rounding could drop tokens of tiny probability\n"
+       "        return logits.clone()\n", "", "top_p_of_one_keeps_every_token"),
+    _m("ch01", "top_p_filter", "sorts ascending", "descending=True", "descending=False",
+       "top_p_keeps_the_boundary_token"),
+    _m("ch01", "top_p_filter", "keeps one token past the boundary", "gather(-1, n_keep - 1)",
+       "gather(-1, torch.clamp(n_keep, max=logits.shape[-1] - 1))", "top_p_keeps_the_boundary_token"),
+    _m("ch01", "top_p_filter", "softmax over the batch axis", "torch.softmax(sorted_logits, dim=-1)",
+       "torch.softmax(sorted_logits, dim=0)", "top_p_matches_the_engine_on_random_logits"),
+    _m("ch01", "min_p_filter", "drops a probability equal to the threshold", "probs < threshold",
+       "probs <= threshold", "min_p_drops_tokens_below_a_fraction_of_the_top"),
+    _m("ch01", "min_p_filter", "absolute threshold (not relative to the top)",
+       "min_p * probs.max(dim=-1, keepdim=True).values", "min_p",
+       "min_p_drops_tokens_below_a_fraction_of_the_top"),
+    _m("ch01", "min_p_filter", "threshold from the top logit, not the top probability", "min_p * probs.max(",
+       "min_p * logits.max(", "min_p_matches_the_engine_on_random_logits"),
+    _m("ch01", "min_p_filter", "one max over the whole batch", "probs.max(dim=-1, keepdim=True).values",
+       "probs.max()", "min_p_matches_the_engine_on_random_logits"),
+    _m("ch01", "min_p_filter", "max without keepdim", "keepdim=True", "keepdim=False",
+       "min_p_matches_the_engine_on_random_logits"),
+    _m("ch01", "naive_generate", "samples instead of taking the argmax", "int(torch.argmax(logits))",
+       "int(torch.multinomial(torch.softmax(logits, dim=-1), 1))", "naive_generate_takes_the_argmax_on_near_ties"),
+    _m("ch01", "naive_generate", "samples with a fixed seed (deterministic, still not greedy)",
+       "int(torch.argmax(logits))",
+       "int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=torch.Generator().manual_seed(0)))",
+       "naive_generate_takes_the_argmax_on_near_ties"),
+    _m("ch01", "naive_generate", "appends to the caller's prompt list", "ids = list(prompt_ids)", "ids = prompt_ids",
+       "naive_generate_leaves_the_prompt_alone"),
+    _m("ch01", "naive_generate", "stops before appending eos", APPEND_THEN_STOP, STOP_THEN_APPEND,
+       "naive_generate_stops_after_eos"),
+    _m("ch01", "naive_generate", "stops on an eos in the prompt", "if token == eos_id:", "if eos_id in ids:",
+       "naive_generate_stops_after_eos"),
+    _m("ch01", "naive_generate", "feeds only the last token", "next_token_logits_fn(list(ids))",
+       "next_token_logits_fn(ids[-1:])", "naive_generate_feeds_the_whole_sequence_every_step"),
+    _m("ch01", "naive_generate", "one token too many", "range(max_new_tokens)", "range(max_new_tokens + 1)",
+       "naive_generate_respects_max_new_tokens"),
+    _m("ch01", "naive_generate", "returns the prompt too", "return new_ids", "return ids",
+       "naive_generate_is_greedy"),
+    # ---- ch02: FLOPs, bytes, the roofline ----------------------------------------------------------
+    _m("ch02", "decode_step_flops", "1 FLOP per parameter", "FLOPS_PER_MAC * matmul_params * batch",
+       "matmul_params * batch", "decode_step_flops_of_llama2_7b_by_hand"),
+    _m("ch02", "decode_step_flops", "matmuls once per batch, not per sequence",
+       "FLOPS_PER_MAC * matmul_params * batch", "FLOPS_PER_MAC * matmul_params",
+       "decode_step_flops_match_the_engine"),
+    _m("ch02", "decode_step_flops", "attention counts only q.k (2 D)", "ATTENTION_FLOPS_PER_PAIR_PER_DIM * layers",
+       "FLOPS_PER_MAC * layers", "decode_step_flops_of_llama2_7b_by_hand"),
+    _m("ch02", "decode_step_flops", "leaves attention out", "return matmuls + attention", "return matmuls",
+       "decode_step_flops_of_llama2_7b_by_hand"),
+    _m("ch02", "decode_step_flops", "attention in one layer only", "* layers * heads", "* heads",
+       "decode_step_flops_of_llama2_7b_by_hand"),
+    _m("ch02", "decode_step_bytes", "weights read once per sequence", "weight_params * weight_bytes +",
+       "weight_params * weight_bytes * batch +", "decode_step_bytes_read_the_weights_once_per_batch"),
+    _m("ch02", "decode_step_bytes", "forgets the new token's KV write", " + kv_per_token * 1", "",
+       "decode_step_bytes_of_llama2_7b_by_hand"),
+    _m("ch02", "decode_step_bytes", "K only (no factor 2)", "KV_TENSORS * layers * batch", "layers * batch",
+       "decode_step_bytes_of_llama2_7b_by_hand"),
+    _m("ch02", "decode_step_bytes", "KV in the weights' dtype", "head_dim * kv_bytes", "head_dim * weight_bytes",
+       "decode_step_bytes_match_the_engine"),
+    _m("ch02", "decode_step_bytes", "one sequence's KV for the whole batch", "layers * batch * kv_heads",
+       "layers * kv_heads", "decode_step_bytes_read_the_weights_once_per_batch"),
+    _m("ch02", "arithmetic_intensity", "bytes per FLOP", "return flops / bytes_moved", "return bytes_moved / flops",
+       "arithmetic_intensity_is_flops_per_byte"),
+    _m("ch02", "arithmetic_intensity", "integer division", "return flops / bytes_moved",
+       "return flops // bytes_moved", "arithmetic_intensity_is_flops_per_byte"),
+    _m("ch02", "arithmetic_intensity", "multiply-adds per byte", "return flops / bytes_moved",
+       "return flops / 2 / bytes_moved", "arithmetic_intensity_is_flops_per_byte"),
+    _m("ch02", "classify", "the ridge point on the bandwidth side", "intensity >= ridge", "intensity > ridge",
+       "classify_puts_the_ridge_point_on_the_compute_side"),
+    _m("ch02", "classify", "ridge = bandwidth / peak", "peak_flops / bandwidth_bytes_per_s",
+       "bandwidth_bytes_per_s / peak_flops", "classify_puts_the_ridge_point_on_the_compute_side"),
+    _m("ch02", "classify", "labels swapped", '"compute-bound" if intensity >= ridge else "bandwidth-bound"',
+       '"bandwidth-bound" if intensity >= ridge else "compute-bound"',
+       "classify_puts_the_ridge_point_on_the_compute_side"),
+    _m("ch02", "classify", "compares with the peak, not the ridge", "intensity >= ridge", "intensity >= peak_flops",
+       "classify_puts_the_ridge_point_on_the_compute_side"),
+    # ---- ch03: the KV cache formula, writing a cache, capacity ---------------------------------------
+    _m("ch03", "kv_cache_bytes", "K only (no factor 2)", "KV_TENSORS * layers", "layers",
+       "kv_cache_bytes_equals_the_nbytes_of_a_real_cache"),
+    _m("ch03", "kv_cache_bytes", "rounds half a byte down", "* dtype_bytes", "* int(dtype_bytes)",
+       "int8_halves_the_cache_and_int4_quarters_it"),
+    _m("ch03", "kv_cache_bytes", "forgets the batch", "layers * batch * tokens", "layers * tokens",
+       "kv_cache_bytes_equals_the_nbytes_of_a_real_cache"),
+    _m("ch03", "kv_cache_bytes", "returns GiB", "* head_dim * dtype_bytes", "* head_dim * dtype_bytes / 2**30",
+       "kv_cache_bytes_equals_the_nbytes_of_a_real_cache"),
+    _m("ch03", "write_kv", "the first sequence's positions for every sequence", WRITE_K_AND_V,
+       "    cache_k[:, positions[0]] = k_new\n    cache_v[:, positions[0]] = v_new",
+       "write_kv_handles_sequences_at_different_lengths"),
+    _m("ch03", "write_kv", "writes token t at slot t", WRITE_K_AND_V,
+       "    cache_k[:, :k_new.shape[1]] = k_new\n    cache_v[:, :v_new.shape[1]] = v_new",
+       "write_kv_writes_each_token_at_its_slot"),
+    _m("ch03", "write_kv", "writes into a copy", WRITE_K_AND_V,
+       "    cache_k = cache_k.index_put((rows.expand_as(positions), positions), k_new)\n"
+       "    cache_v = cache_v.index_put((rows.expand_as(positions), positions), v_new)",
+       "write_kv_writes_in_place"),
+    _m("ch03", "write_kv", "forgets V", "\n    cache_v[rows, positions] = v_new", "",
+       "write_kv_writes_each_token_at_its_slot"),
+    _m("ch03", "write_kv", "one slot off", WRITE_K_AND_V,
+       "    cache_k[rows, positions + 1] = k_new\n    cache_v[rows, positions + 1] = v_new",
+       "write_kv_writes_each_token_at_its_slot"),
+    _m("ch03", "write_kv", "K and V swapped", WRITE_K_AND_V,
+       "    cache_k[rows, positions] = v_new\n    cache_v[rows, positions] = k_new",
+       "write_kv_writes_each_token_at_its_slot"),
+    _m("ch03", "max_sequences", "rounds up", "math.floor(", "math.ceil(",
+       "max_sequences_of_llama3_8b_at_8k_on_80_and_24_gb"),
+    _m("ch03", "max_sequences", "GiB instead of spec-sheet GB", "* BYTES_PER_GB", "* 2**30",
+       "max_sequences_of_llama3_8b_at_8k_on_80_and_24_gb"),
+    _m("ch03", "max_sequences", "negative when the weights do not fit",
+       "return max(0, math.floor(free_bytes / per_sequence))", "return math.floor(free_bytes / per_sequence)",
+       "max_sequences_is_zero_when_the_weights_do_not_fit"),
+    _m("ch03", "max_sequences", "forgets the weights", "(gpu_gb - weights_gb)", "gpu_gb",
+       "max_sequences_of_llama3_8b_at_8k_on_80_and_24_gb"),
+    _m("ch03", "max_sequences", "rounds to nearest", "math.floor(", "round(",
+       "max_sequences_of_llama3_8b_at_8k_on_80_and_24_gb"),
+    # ---- ch04: allocator, slots, growth, fork, waste ---------------------------------------------------
+    _m("ch04", "BlockAllocator", "hands out from the back", "self._free.popleft()", "self._free.pop()",
+       "allocator_hands_out_every_block_once_then_raises"),
+    _m("ch04", "BlockAllocator", "puts freed blocks at the front", "self._free.append(block)",
+       "self._free.appendleft(block)", "allocator_matches_the_engine_on_random_operations"),
+    _m("ch04", "BlockAllocator", "frees a shared block at once", "self._refcount[block] -= 1",
+       "self._refcount[block] = 0", "allocator_frees_a_shared_block_only_when_the_last_owner_lets_go"),
+    _m("ch04", "BlockAllocator", "no double-free check", "self._check_held(block)\n        self._refcount[block] -= 1",
+       "self._check_id(block)\n        self._refcount[block] -= 1", "allocator_refuses_a_double_free_and_unknown_ids"),
+    _m("ch04", "BlockAllocator", "incref of a free block allowed",
+       "self._check_held(block)\n        self._refcount[block] += 1",
+       "self._check_id(block)\n        self._refcount[block] += 1", "allocator_refuses_a_double_free_and_unknown_ids"),
+    _m("ch04", "BlockAllocator", "negative ids index from the end", "if not 0 <= block < self.num_blocks:",
+       "if block >= self.num_blocks:", "allocator_refuses_a_double_free_and_unknown_ids"),
+    _m("ch04", "BlockAllocator", "allocate_many takes some, then raises",
+       "        if n > len(self._free):  # all or nothing: check before taking the first one\n"
+       "            raise NoFreeBlocksError(needed=n, free=len(self._free))\n", "",
+       "allocate_many_takes_all_or_nothing"),
+    _m("ch04", "BlockAllocator", "num_used sums refcounts", "return self.num_blocks - len(self._free)",
+       "return sum(self._refcount)", "allocator_matches_the_engine_on_random_operations"),
+    _m("ch04", "slot_mapping", "block and offset swapped",
+       "block_table[p // block_size] * block_size + p % block_size",
+       "block_table[p % block_size] * block_size + p // block_size", "slot_mapping_of_the_worked_example"),
+    _m("ch04", "slot_mapping", "logical block instead of physical", "block_table[p // block_size] * block_size",
+       "(p // block_size) * block_size", "slot_mapping_of_the_worked_example"),
+    _m("ch04", "slot_mapping", "scales by the table length", "* block_size + p % block_size",
+       "* len(block_table) + p % block_size", "slot_mapping_of_the_worked_example"),
+    _m("ch04", "append_tokens", "floor instead of ceiling", "needed = math.ceil(", "needed = math.floor(",
+       "append_tokens_crosses_a_block_boundary"),
+    _m("ch04", "append_tokens", "new blocks for the new tokens only (ignores the partly filled last block)",
+       "math.ceil((num_tokens + new_tokens) / block_size) - len(block_table)", "math.ceil(new_tokens / block_size)",
+       "append_tokens_fills_the_last_block_before_taking_a_new_one"),
+    _m("ch04", "append_tokens", "extends the caller's table",
+       "return [*block_table, *(allocate_fn() for _ in range(needed))]",
+       "block_table.extend(allocate_fn() for _ in range(needed))\n    return block_table",
+       "append_tokens_crosses_a_block_boundary"),
+    _m("ch04", "append_tokens", "reserves the next token's slot too", "(num_tokens + new_tokens) / block_size",
+       "(num_tokens + new_tokens + 1) / block_size", "append_tokens_fills_the_last_block_before_taking_a_new_one"),
+    _m("ch04", "fork_copy_on_write", "forgets the refcounts on fork",
+       "    for block in child:  # the fork: one more table holds each block\n        allocator.incref(block)\n", "",
+       "fork_copies_a_shared_partly_filled_last_block"),
+    _m("ch04", "fork_copy_on_write", "keeps its reference to the swapped-out block (a leak)",
+       "        allocator.free(child[-1])  # the child lets go of the shared block; the parent still holds it\n", "",
+       "fork_copies_a_shared_partly_filled_last_block"),
+    _m("ch04", "fork_copy_on_write", "frees the shared block for everyone", "        allocator.free(child[-1])  #",
+       "        allocator.free(child[-1])\n        allocator.free(child[-1])  #",
+       "fork_copies_a_shared_partly_filled_last_block"),
+    _m("ch04", "fork_copy_on_write", "copies a full last block too", "if new_tokens and num_tokens % block_size != 0:",
+       "if new_tokens:", "fork_shares_full_blocks_without_copying"),
+    _m("ch04", "fork_copy_on_write", "copies even when the child writes nothing",
+       "if new_tokens and num_tokens % block_size != 0:", "if num_tokens % block_size != 0:",
+       "fork_shares_full_blocks_without_copying"),
+    _m("ch04", "fork_copy_on_write", "reports (dst, src)", "copies.append((child[-1], copy))",
+       "copies.append((copy, child[-1]))", "fork_copies_a_shared_partly_filled_last_block"),
+    _m("ch04", "fork_copy_on_write", "edits the parent's table", "child, copies = list(block_table), []",
+       "child, copies = block_table, []", "fork_copies_a_shared_partly_filled_last_block"),
+    _m("ch04", "expected_waste_slots", "BS / 2", "(block_size - 1) / 2", "block_size / 2",
+       "expected_waste_is_the_average_over_a_full_period_of_lengths"),
+    _m("ch04", "expected_waste_slots", "(BS + 1) / 2", "(block_size - 1) / 2", "(block_size + 1) / 2",
+       "expected_waste_is_the_average_over_a_full_period_of_lengths"),
+    _m("ch04", "expected_waste_slots", "integer division", "(block_size - 1) / 2", "(block_size - 1) // 2",
+       "expected_waste_is_the_average_over_a_full_period_of_lengths"),
+    _m("ch04", "contiguous_waste", "the batch's longest sequence instead of the reserved length",
+       "sum(max_len - n for n in lengths)", "sum(max(lengths) - n for n in lengths)",
+       "contiguous_waste_of_a_small_batch"),
+    _m("ch04", "contiguous_waste", "counts the used slots", "sum(max_len - n for n in lengths)",
+       "sum(n for n in lengths)", "contiguous_waste_of_a_small_batch"),
+    _m("ch04", "contiguous_waste", "one reservation for the whole batch", "sum(max_len - n for n in lengths)",
+       "max_len - sum(lengths)", "contiguous_waste_of_a_small_batch"),
+    _m("ch04", "paged_waste", "floor instead of ceiling", "math.ceil(n / block_size)", "(n // block_size)",
+       "paged_waste_of_a_small_batch_and_of_the_engine"),
+    _m("ch04", "paged_waste", "a full last block counted as empty", "math.ceil(n / block_size) * block_size - n",
+       "block_size - n % block_size", "paged_waste_of_a_small_batch_and_of_the_engine"),
+    _m("ch04", "paged_waste", "counts every reserved slot", "math.ceil(n / block_size) * block_size - n",
+       "math.ceil(n / block_size) * block_size", "paged_waste_of_a_small_batch_and_of_the_engine"),
+    _m("ch04", "concurrency_gain", "ignores the waste", "(mean_len + expected_waste_slots(block_size))",
+       "mean_len", "concurrency_gain_of_paging"),
+    _m("ch04", "concurrency_gain", "upside down", "max_len / (mean_len + expected_waste_slots(block_size))",
+       "(mean_len + expected_waste_slots(block_size)) / max_len", "concurrency_gain_of_paging"),
+    _m("ch04", "concurrency_gain", "a whole block wasted per sequence", "mean_len + expected_waste_slots(block_size)",
+       "mean_len + block_size", "concurrency_gain_of_paging"),
+    # ---- ch05: scheduling, preemption, TTFT/TPOT, static batching ------------------------------------
+    _m("ch05", "schedule_step", "later requests overtake one that does not fit (FCFS violated)",
+       "break  # FCFS", "continue  # FCFS", "schedule_step_admits_until_the_first_request_that_does_not_fit"),
+    _m("ch05", "schedule_step", "seats counted for the requests that ran only", "len(running) + len(admitted)",
+       "len(ran) + len(admitted)", "schedule_step_counts_every_running_request_against_max_num_seqs"),
+    _m("ch05", "schedule_step", "one seat too many", ">= max_num_seqs", "> max_num_seqs",
+       "schedule_step_counts_every_running_request_against_max_num_seqs"),
+    _m("ch05", "schedule_step", "stops at the first running request that does not fit", RUN_IF_IT_FITS,
+       "        if tokens > budget or need > blocks:\n            break\n        ran.append(rid)\n"
+       "        budget, blocks = budget - tokens, blocks - need",
+       "schedule_step_lets_a_running_request_sit_out_and_keeps_going"),
+    _m("ch05", "schedule_step", "running requests ignore the free blocks", "if tokens <= budget and need <= blocks:",
+       "if tokens <= budget:", "schedule_step_lets_a_running_request_sit_out_and_keeps_going"),
+    _m("ch05", "schedule_step", "a request that fills the budget exactly is refused", "or tokens > budget or",
+       "or tokens >= budget or", "schedule_step_lets_a_running_request_sit_out_and_keeps_going"),
+    _m("ch05", "schedule_step", "running requests use no budget or blocks", RUN_IF_IT_FITS,
+       "        if tokens <= budget and need <= blocks:\n            ran.append(rid)",
+       "schedule_step_admits_until_the_first_request_that_does_not_fit"),
+    _m("ch05", "choose_victim", "preempts the highest priority", "(candidates[i][1], candidates[i][2], i)",
+       "(-candidates[i][1], candidates[i][2], i)", "choose_victim_takes_the_lowest_priority_then_the_latest_arrival"),
+    _m("ch05", "choose_victim", "preempts the earliest arrival", "(candidates[i][1], candidates[i][2], i)",
+       "(candidates[i][1], -candidates[i][2], i)", "choose_victim_takes_the_lowest_priority_then_the_latest_arrival"),
+    _m("ch05", "choose_victim", "exact ties go to the first in the list", "(candidates[i][1], candidates[i][2], i)",
+       "(candidates[i][1], candidates[i][2], -i)", "choose_victim_takes_the_lowest_priority_then_the_latest_arrival"),
+    _m("ch05", "choose_victim", "arrival before priority", "(candidates[i][1], candidates[i][2], i)",
+       "(candidates[i][2], candidates[i][1], i)", "choose_victim_takes_the_lowest_priority_then_the_latest_arrival"),
+    _m("ch05", "ttft_and_tpot", "TPOT divides by every token", "/ (tokens[rid] - 1)", "/ tokens[rid]",
+       "ttft_and_tpot_of_a_hand_made_trace"),
+    _m("ch05", "ttft_and_tpot", "TTFT at the first step scheduled (a prefill chunk makes no token)",
+       'if s["tokens_out"] > 0 and rid in arrival:', "if rid in arrival:", "ttft_and_tpot_of_a_hand_made_trace"),
+    _m("ch05", "ttft_and_tpot", "times from the step's start", 'first.setdefault(rid, step["end_time"])',
+       'first.setdefault(rid, step["start_time"])', "ttft_and_tpot_of_a_hand_made_trace"),
+    _m("ch05", "ttft_and_tpot", "TPOT of a single token (0 / 0)", "done = rid in finish and tokens[rid] >= 2",
+       "done = rid in finish", "ttft_and_tpot_of_a_hand_made_trace"),
+    _m("ch05", "ttft_and_tpot", "TPOT counted from the arrival", "(finish[rid] - t_first)",
+       "(finish[rid] - arrival[rid])", "ttft_and_tpot_of_a_hand_made_trace"),
+    _m("ch05", "static_idle_fraction", "the last batch holds only its own seats",
+       "max_num_seqs * max(lengths[i:i + max_num_seqs])",
+       "len(lengths[i:i + max_num_seqs]) * max(lengths[i:i + max_num_seqs])", "static_idle_fraction_by_hand"),
+    _m("ch05", "static_idle_fraction", "the longest request of all, not of the batch",
+       "max(lengths[i:i + max_num_seqs])", "max(lengths)", "static_idle_fraction_by_hand"),
+    _m("ch05", "static_idle_fraction", "returns the busy share", "return 1.0 - sum(lengths) / held",
+       "return sum(lengths) / held", "static_idle_fraction_by_hand"),
+    _m("ch05", "static_idle_fraction", "batches sorted by length", "lengths = list(output_lengths)",
+       "lengths = sorted(output_lengths)", "static_idle_fraction_by_hand"),
+    _m("ch05", "static_idle_fraction", "no check of the lengths", "if not lengths or min(lengths) < 1:",
+       "if False:", "static_idle_fraction_by_hand"),
+]
+
+
+def _solution_source(chapter: str) -> str:
+    return exercises.exercise_path(chapter, solutions=True).read_text()
+
+
+def mutated_module(mutant: Mutant) -> types.ModuleType:
+    """The chapter's reference solution with the mutant's patch applied, as a fresh module."""
+    path = exercises.exercise_path(mutant.chapter, solutions=True)
+    source = _solution_source(mutant.chapter)
+    function_source = inspect.getsource(getattr(exercises.load_module(mutant.chapter, True), mutant.function))
+    assert function_source.count(mutant.old) == 1, (
+        f"{mutant.id}: {mutant.old!r} must occur exactly once in {mutant.function}; update the mutant")
+    start = source.index(function_source)
+    patched = function_source.replace(mutant.old, mutant.new)
+    assert patched != function_source, f"{mutant.id}: the patch changes nothing"
+    module = types.ModuleType(f"exercises.solutions.{path.stem}_mutant")
+    code = compile(source[:start] + patched + source[start + len(function_source):], f"{path} (mutant)", "exec")
+    exec(code, module.__dict__)  # noqa: S102 - our own solution file with one line changed
+    return module
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
+def test_the_named_check_fails_on_the_mutant(mutant):
+    checks = dict(exercises.load_checks(mutant.chapter))
+    assert mutant.caught_by in checks, f"{mutant.id}: no check named {mutant.caught_by!r}"
+    module = mutated_module(mutant)
+    try:
+        checks[mutant.caught_by](module)
+    except Exception:  # noqa: BLE001 - any failure of the check counts as catching the mutant
+        return
+    pytest.fail(f"{mutant.id}: check {mutant.caught_by!r} passed on a solution that {mutant.mistake}")
+
+
+@pytest.mark.parametrize("chapter", exercises.list_chapters())
+def test_every_solution_function_has_enough_mutants(chapter):
+    solutions = exercises.load_module(chapter, solutions=True)
+    public = [name for name, value in vars(solutions).items()
+              if (inspect.isfunction(value) or inspect.isclass(value)) and not name.startswith("_")
+              and value.__module__ == solutions.__name__]
+    counts = {name: sum(m.chapter == chapter and m.function == name for m in MUTANTS) for name in public}
+    assert all(n >= MIN_MUTANTS_PER_FUNCTION for n in counts.values()), counts
+
+
+def test_the_readme_table_lists_every_mutant():
+    readme = README.read_text()
+    missing = [m.id for m in MUTANTS if f"`{m.function}`: {m.mistake}" not in readme]
+    assert not missing, f"exercises/README.md lacks these mutants (run python {__file__}): {missing}"
+
+
+def readme_table() -> str:
+    """Markdown: per chapter and check, the mutants it catches (every check that fails on a mutant
+    is credited; the one the test above names is in bold)."""
+    caught: dict[tuple[str, str], list[str]] = {}
+    for m in MUTANTS:
+        for r in exercises.run_checks(m.chapter, module=mutated_module(m)):
+            if not r.passed:
+                label = f"`{m.function}`: {m.mistake}"
+                caught.setdefault((m.chapter, r.name), []).append(f"**{label}**" if r.name == m.caught_by else label)
+    rows = ["| chapter | check | mistakes it catches (mutants) |", "| --- | --- | --- |"]
+    for chapter in exercises.list_chapters():
+        for name, _ in exercises.load_checks(chapter):
+            rows.append(f"| {chapter} | `{name}` | {'; '.join(caught.get((chapter, name), [])) or '-'} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(print(readme_table()))
