@@ -339,7 +339,7 @@ class BlockManager:
             self.swap_allocator.free(block)
         del self._swapped[seq_id]
         self._seqs[seq_id] = _Sequence(block_table=gpu_blocks, num_tokens=seq.num_tokens)
-        return list(zip(seq.block_table, gpu_blocks[::-1], strict=True))
+        return list(zip(seq.block_table, gpu_blocks, strict=True))
 
     def swap_usage(self) -> SwapUsage:
         pool = self.swap_allocator

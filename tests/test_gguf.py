@@ -4,6 +4,7 @@ path against transformers' own GGUF loader; broken files each get an error namin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -289,8 +290,12 @@ TOKENIZER_STRINGS = PROMPTS + [
 def real_pair():
     """(ours, transformers' GGUF model, transformers' GGUF tokenizer, our tokenizer), loaded once."""
     path = G.packaged_gguf_path(REAL)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers rebuilds gguf's (pure) name table for each of the model's ~400 modules, a third of
+        # its load time here; remembering it changes no result, only the wait.
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                   dtype=torch.float32).eval()
     their_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ours, tok = load_model(REAL)
     return ours, theirs, their_tok, tok

@@ -328,6 +328,29 @@ def training_corpus(seed: int = TRAIN_SEED_BASE, n_examples: int | None = None,
         yield ex.text
 
 
+# ---------------------------------------------------------------------------- lookup curriculum
+# Training-only additions: the eval documents above are unchanged. A recall document asks ONE
+# question, so a 400-token document supervises three digits; the trainer also asks more questions
+# about the same facts (multi-query associative recall in the real format), with a loss on every answer.
+
+
+def follow_up_questions(ex: Example, rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Up to `n` more (question, answer) pairs about other facts of a recall prompt, in random order:
+
+        Facts: zor=417; bim=82; kep=950; Question: bim? Answer: 82 Question: zor? Answer: 417 ...
+                                                                   ^^^^^^^^^^^^^^^^^^^^^^^^^^ one follow-up
+    """
+    facts = re.findall(r"(\w+)=(\d+);", ex.prompt.split("Question:")[0])
+    asked = ex.prompt.rsplit("Question: ", 1)[1].split("?")[0]
+    others = [(k, v) for k, v in facts if k != asked]
+    return [(f" Question: {k}? Answer:", f" {v}") for k, v in rng.sample(others, min(n, len(others)))]
+
+
+def lookup_drill(rng: random.Random, n_facts: int) -> Example:
+    """A short training-side recall document with exactly `n_facts` facts (for the curriculum)."""
+    return _draw("recall", rng, False, n_facts=n_facts)
+
+
 # ---------------------------------------------------------------------------- scorers
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")

@@ -58,6 +58,16 @@ class TrainConfig:
     grad_clip: float = 1.0
     prompt_loss_weight: float = 0.0  # task prompts are given, not predicted (stories count fully)
     recall_drills: int = 6  # extra supervised lookups per recall document (see `recall_drills`)
+    # The lookup curriculum (see `documents`): more answered questions per recall document, short
+    # drills first, short rows first. The defaults switch it all off (the recipe of the first tinylab).
+    recall_questions: int = 1  # questions per real recall document, every answer in the loss
+    curriculum_steps: int = 0  # for this many steps recall documents are replaced by short drills
+    curriculum_facts: tuple = (4, 40)  # facts per drill: up to the first number at step 0, the second at the end
+    drill_questions: int = 16  # questions per drill (at most one per fact)
+    context_stages: tuple = ()  # ((until_step, T), ...): rows of T tokens before until_step, same tokens per step
+    probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
+    probe_n: int = 64  # probe examples per task
+    tokenizer_path: str | None = None  # reuse this tokenizer.json (token ids stay comparable) instead of training one
     bf16_autocast: bool = True
     seed: int = 0
     checkpoint_every_steps: int = 200  # save the folder now and then, so a stopped run still leaves a model
@@ -108,10 +118,12 @@ def recall_drills(ex: tasks.Example, rng: random.Random, max_drills: int) -> lis
 
 
 def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float,
-                   drills: list[tuple[str, str]] = ()) -> tuple[list[int], list[float]]:
+                   drills: list[tuple[str, str]] = (),
+                   follow_ups: list[tuple[str, str]] = ()) -> tuple[list[int], list[float]]:
     """[BOS] prompt target [EOS], each token with its loss weight. Prompt and target are encoded
     separately, exactly as at inference time (the prompt is encoded, then the model writes).
-    Recall drills (question, answer) go between the facts and the real question."""
+    Recall drills (question, answer) go between the facts and the real question; follow-up
+    questions (see `with_follow_ups`) go after the real answer."""
     w_prompt = 1.0 if ex.task == "story" else prompt_weight
     head, sep, question = ex.prompt.rpartition("Question:") if drills else (ex.prompt, "", "")
     ids, weights = tok.encode(head.rstrip() if drills else head).ids, []  # starts with BOS
@@ -122,36 +134,116 @@ def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float,
     if drills:
         q_ids = tok.encode(" " + sep + question, add_special_tokens=False).ids
         ids, weights = ids + q_ids, weights + [w_prompt] * len(q_ids)
-    target = tok.encode(ex.target, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
-    return ids + target, weights + [1.0] * len(target)
+    target = tok.encode(ex.target, add_special_tokens=False).ids
+    ids, weights = ids + target, weights + [1.0] * len(target)
+    if follow_ups:
+        ids, weights = with_follow_ups(tok, ids, weights, follow_ups, prompt_weight)
+    return ids + [tok.token_to_id(EOS)], weights + [1.0]
 
 
-def packed_rows(tok: Tokenizer, cfg: TrainConfig, seed: int):
-    """Yield (ids [T], weights [T]) rows of exactly `context_tokens`, whole documents only, padded."""
-    T, pad = cfg.context_tokens, tok.token_to_id(PAD)
+def with_follow_ups(tok: Tokenizer, ids: list[int], weights: list[float], follow_ups: list[tuple[str, str]],
+                    prompt_weight: float) -> tuple[list[int], list[float]]:
+    """Append more answered questions to a recall document, every answer in the loss:
+
+        ... Question: bim? Answer: 82 Question: zor? Answer: 417 <eos>
+                                     ^ weight 0: after an answer comes EOS or another question, and
+                                       only the last answer says which (so greedy decoding stops at EOS)
+    """
+    for q, a in follow_ups:
+        q_ids, a_ids = tok.encode(q, add_special_tokens=False).ids, tok.encode(a, add_special_tokens=False).ids
+        q_w = [0.0] + [prompt_weight] * (len(q_ids) - 1)
+        ids, weights = ids + q_ids + a_ids, weights + q_w + [1.0] * len(a_ids)
+    return ids, weights
+
+
+PACK_LOOKAHEAD = 32  # documents we look ahead to fill a row's tail (first fit): less padding
+
+
+def drill_facts(step: int, cfg: TrainConfig) -> int:
+    """The most facts a curriculum drill may have at `step`: grows linearly over the curriculum."""
+    lo, hi = cfg.curriculum_facts
+    return round(lo + (hi - lo) * min(1.0, step / max(1, cfg.curriculum_steps)))
+
+
+def fit(tok: Tokenizer, ex: tasks.Example, follow_ups: list, cfg: TrainConfig, T: int):
+    """Encode a recall document with as many of its follow-ups as fit in T tokens (None if none fits)."""
+    while True:
+        doc = encode_example(tok, ex, cfg.prompt_loss_weight, follow_ups=follow_ups)
+        if len(doc[0]) <= T:
+            return doc
+        if not follow_ups:
+            return None
+        follow_ups = follow_ups[:-1]
+
+
+def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg: TrainConfig, step: int, T: int):
+    """What one recall example of the task stream becomes: during the curriculum, short drills of
+    about the same total length (many answered questions each); after it, the document itself with
+    `recall_questions - 1` follow-ups (or the old `recall_drills`)."""
+    if step >= cfg.curriculum_steps:
+        if cfg.recall_drills and cfg.recall_questions <= 1:
+            drills = recall_drills(ex, rng, cfg.recall_drills)
+            doc = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
+            return [doc] if len(doc[0]) <= T else []
+        doc = fit(tok, ex, tasks.follow_up_questions(ex, rng, cfg.recall_questions - 1), cfg, T)
+        return [doc] if doc else []
+    docs, chars = [], 0
+    while chars < len(ex.text):
+        drill = tasks.lookup_drill(rng, rng.randint(2, max(2, drill_facts(step, cfg))))
+        doc = fit(tok, drill, tasks.follow_up_questions(drill, rng, cfg.drill_questions - 1), cfg, T)
+        chars += len(drill.text) + 1
+        if doc:
+            docs.append(doc)
+    return docs
+
+
+def documents(tok: Tokenizer, cfg: TrainConfig, seed: int, clock: list[int]):
+    """Yield encoded training documents (ids, weights); `clock[0]` is the current step, which the
+    curriculum and the row length `context_at(step)` follow."""
     rng = random.Random(seed)
+    for ex in tasks.training_examples(seed=seed, mix=cfg.mix):
+        if ex.task == "recall":
+            yield from recall_documents(tok, ex, rng, cfg, clock[0], context_at(clock[0], cfg))
+        else:
+            yield encode_example(tok, ex, cfg.prompt_loss_weight)
+
+
+def context_at(step: int, cfg: TrainConfig) -> int:
+    """Row length at `step`: the first stage of `context_stages` not yet over, else `context_tokens`."""
+    for until_step, T in cfg.context_stages:
+        if step < until_step:
+            return T
+    return cfg.context_tokens
+
+
+def pack_row(pending: list, source, T: int, pad: int) -> tuple[list[int], list[float]]:
+    """One row of exactly T tokens: whole documents, first fit from the oldest pending one, padded.
+    Documents longer than T (possible while rows are short) are dropped."""
+    while len(pending) < PACK_LOOKAHEAD:
+        pending.append(next(source))
     ids: list[int] = []
     weights: list[float] = []
-    for ex in tasks.training_examples(seed=seed, mix=cfg.mix):
-        drills = recall_drills(ex, rng, cfg.recall_drills) if ex.task == "recall" else []
-        doc_ids, doc_w = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
-        while len(doc_ids) > T and drills:  # too long with all drills: drop some
-            drills = drills[:-1]
-            doc_ids, doc_w = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
+    keep = []
+    for doc_ids, doc_w in pending:
         if len(doc_ids) > T:
             continue
-        if len(ids) + len(doc_ids) > T:
-            yield ids + [pad] * (T - len(ids)), weights + [0.0] * (T - len(ids))
-            ids, weights = [], []
-        ids, weights = ids + doc_ids, weights + doc_w
+        if len(ids) + len(doc_ids) <= T:
+            ids, weights = ids + doc_ids, weights + doc_w
+        else:
+            keep.append((doc_ids, doc_w))
+    pending[:] = keep
+    return ids + [pad] * (T - len(ids)), weights + [0.0] * (T - len(ids))
 
 
-def batches(tok: Tokenizer, cfg: TrainConfig, seed: int):
-    """Yield (input_ids [B, T], weights [B, T]) tensors forever."""
-    rows = packed_rows(tok, cfg, seed)
+def batches(tok: Tokenizer, cfg: TrainConfig, seed: int, start_step: int = 0):
+    """Yield (input_ids [B, T], weights [B, T]) tensors forever; B * T = batch_rows * context_tokens."""
+    clock = [start_step]
+    source, pending, pad = documents(tok, cfg, seed, clock), [], tok.token_to_id(PAD)
     while True:
-        chunk = [next(rows) for _ in range(cfg.batch_rows)]
+        T = context_at(clock[0], cfg)
+        chunk = [pack_row(pending, source, T, pad) for _ in range(cfg.batch_rows * cfg.context_tokens // T)]
         yield (torch.tensor([c[0] for c in chunk]), torch.tensor([c[1] for c in chunk]))
+        clock[0] += 1
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
