@@ -19,16 +19,22 @@ def cmd_generate(args) -> None:
     from engine.loader import load_model
     from engine.naive import generate_naive
     from engine.sampling import SamplingParams
+    from engine.threads import check_num_threads, default_num_threads, torch_threads
+    from engine.tokenizer import encode_prompt
 
     model, tok = load_model(args.model, dtype=DTYPES[args.dtype])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
+    ids = encode_prompt(args.prompt, tok, model.config.max_position_embeddings)  # errors before any output
+    threads = default_num_threads(model.config.num_params()) if args.threads is None else args.threads
+    check_num_threads(threads)
     run = generate_naive if args.no_cache else generate_cached
     print(args.prompt, end="", flush=True)
-    result = run(model, tok, args.prompt, params, on_text=lambda s: print(s, end="", flush=True))
+    with torch_threads(threads):
+        result = run(model, tok, ids, params, on_text=lambda s: print(s, end="", flush=True))
     print(f"\n\n[finish_reason={result.finish_reason}  tokens={len(result.token_ids)}  "
           f"TTFT={result.ttft_s * 1e3:.1f} ms  TPOT={result.tpot_s * 1e3:.1f} ms  "
-          f"{'naive loop' if args.no_cache else 'KV cache'}]")
+          f"{'naive loop' if args.no_cache else 'KV cache'}, {threads} torch thread(s)]")
 
 
 def cmd_eval(args) -> None:
@@ -143,6 +149,8 @@ def main(argv=None) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-cache", action="store_true", help="use chapter 01's naive loop")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: 1 for small models, see engine/threads.py)")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser("eval", help="evaluate a model on the task suite")
     e.add_argument("--model", default="tinylab")

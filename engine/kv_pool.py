@@ -89,22 +89,22 @@ class PagedKVPool:
         Within one list no block is both a source and a destination (the block manager hands out
         fresh blocks as destinations), so each list is done as one indexed copy per pool.
         """
-        for pools, swaps in ((self.k, self.k_swap), (self.v, self.v_swap)):
-            for pool, swap in zip(pools, swaps, strict=True):
-                if swap_out:
-                    gpu, cpu = _indices(swap_out, self.device)
-                    swap[cpu.cpu()] = pool[gpu].cpu()
-                if swap_in:
-                    cpu, gpu = _indices(swap_in, self.device)
-                    pool[gpu] = swap[cpu.cpu()].to(self.device)
-                if copies:
-                    src, dst = _indices(copies, self.device)
-                    pool[dst] = pool[src]
+        out_gpu, out_cpu = _columns(swap_out)  # index tensors on the CPU, built once for all layers
+        in_cpu, in_gpu = _columns(swap_in)
+        src, dst = _columns(copies)
+        out_gpu, in_gpu, src, dst = (t.to(self.device) for t in (out_gpu, in_gpu, src, dst))
+        for pool, swap in zip(self.k + self.v, self.k_swap + self.v_swap, strict=True):
+            if swap_out:
+                swap[out_cpu] = pool[out_gpu].cpu()
+            if swap_in:
+                pool[in_gpu] = swap[in_cpu].to(self.device)
+            if copies:
+                pool[dst] = pool[src]
 
 
-def _indices(pairs: list[tuple[int, int]], device) -> tuple[Tensor, Tensor]:
-    """[(a, b), ...] -> (tensor of the a's, tensor of the b's), int64 on `device`."""
-    both = torch.tensor(pairs, dtype=torch.int64, device=device)  # [P, 2]
+def _columns(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """[(a, b), ...] -> (tensor of the a's, tensor of the b's), int64 on the CPU."""
+    both = torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)  # [P, 2]
     return both[:, 0], both[:, 1]
 
 

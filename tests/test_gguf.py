@@ -318,6 +318,10 @@ def test_real_model_tokenizer_equals_transformers_gguf_tokenizer(real_pair):
         ids = tok.encode(text)
         assert ids == their_tok(text)["input_ids"], text
         assert tok.decode(ids, skip_special_tokens=False) == their_tok.decode(ids, skip_special_tokens=False)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.chat_template == their_tok.chat_template
+    assert tok.apply_chat_template(messages) == their_tok.apply_chat_template(messages, tokenize=False,
+                                                                              add_generation_prompt=True)
 
 
 @pytest.mark.slow

@@ -109,15 +109,16 @@ def test_a_budget_below_one_block_says_how_much_one_block_needs(model):
         LLMEngine(model, None, engine_config(kv_cache_memory_bytes=100, block_size=4))
 
 
-def test_the_engine_logs_blocks_tokens_bytes_and_the_maximum_concurrency(model, caplog):
+def test_the_engine_logs_blocks_tokens_bytes_and_the_maximum_concurrency(caplog):
+    odd = random_model(seed=5, context=90)  # 90 tokens = 22.5 blocks of 4: a request holds 23 whole blocks
     with caplog.at_level(logging.INFO, logger="engine"):
-        LLMEngine(model, None, engine_config(num_blocks=60, block_size=4))
+        LLMEngine(odd, None, engine_config(num_blocks=60, block_size=4))
     text = "\n".join(r.getMessage() for r in caplog.records if r.name == "engine")
-    per_block = block_bytes_by_hand(model.config, 4, 4)
+    per_block = block_bytes_by_hand(odd.config, 4, 4)
     assert "60 blocks of 4 tokens = 240 tokens" in text
     assert f"{60 * per_block / GIB:.3f} GiB" in text
-    concurrency = 60 / math.ceil(CONTEXT / 4)  # 60 blocks over 24 blocks per full-length request
-    assert f"Maximum concurrency for {CONTEXT} tokens per request: {concurrency:.2f}x" in text
+    concurrency = 60 / 23  # as vLLM counts it: whole blocks per full-length request (not 240 / 90)
+    assert f"Maximum concurrency for 90 tokens per request: {concurrency:.2f}x" in text
 
 
 def test_a_cache_smaller_than_one_full_request_is_a_warning(model, caplog):

@@ -184,6 +184,9 @@ def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg:
         if cfg.recall_drills and cfg.recall_questions <= 1:
             drills = recall_drills(ex, rng, cfg.recall_drills)
             doc = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
+            while len(doc[0]) > T and drills:  # too long with all drills: drop some
+                drills = drills[:-1]
+                doc = encode_example(tok, ex, cfg.prompt_loss_weight, drills)
             return [doc] if len(doc[0]) <= T else []
         doc = fit(tok, ex, tasks.follow_up_questions(ex, rng, cfg.recall_questions - 1), cfg, T)
         return [doc] if doc else []
@@ -269,9 +272,12 @@ def start_model(cfg: TrainConfig, resume_from: Path | None) -> tuple[LlamaModel,
 
         model, _ = load_model(resume_from)
         return model.train(), Tokenizer.from_file(str(Path(resume_from) / "tokenizer.json"))
-    docs = [ex.text for ex, _ in zip(tasks.training_examples(seed=cfg.seed + 1, mix=cfg.mix),
-                                     range(TOKENIZER_TRAINING_DOCS), strict=False)]
-    tok = train_tokenizer(docs, cfg.vocab_size)
+    if cfg.tokenizer_path:
+        tok = Tokenizer.from_file(cfg.tokenizer_path)
+    else:
+        docs = [ex.text for ex, _ in zip(tasks.training_examples(seed=cfg.seed + 1, mix=cfg.mix),
+                                         range(TOKENIZER_TRAINING_DOCS), strict=False)]
+        tok = train_tokenizer(docs, cfg.vocab_size)
     model = LlamaModel(cfg.model_config(tok))
     init_weights(model)
     return model, tok
@@ -293,7 +299,9 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": []}
     start = time.perf_counter()
     log["resumed_from_step"] = start_step
-    bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step), strict=False),
+    probe_set = probe_examples(cfg.probe_n) if cfg.probe_every else {}
+    log["probe"] = []
+    bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
                initial=start_step, total=cfg.steps, disable=not progress, desc="training tinylab")
     for step, (ids, weights) in bar:
         for group in opt.param_groups:
@@ -309,11 +317,55 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
         log["loss"].append(round(loss.item(), 4))
         log["tokens_per_s"].append(round((step + 1 - start_step) * ids.numel() / elapsed))
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=log["tokens_per_s"][-1])
+        if probe_set and ((step + 1) % cfg.probe_every == 0 or step + 1 == cfg.steps):
+            log["probe"].append(dict(step=step + 1, seconds=round(time.perf_counter() - start, 1),
+                                     **probe(model, tok, probe_set)))
+            print("probe", json.dumps(log["probe"][-1]), flush=True)
         if (step + 1) % cfg.checkpoint_every_steps == 0:
             save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1)))
     log["train_seconds"] = round(time.perf_counter() - start, 1)
     save_hf_folder(model, tok, out_dir, log)
     return log
+
+
+PROBE_SEED = tasks.EVAL_SEED_BASE + 11  # eval-side documents, but not the ones `eval` scores
+PROBE_TASKS = ("recall", "arith", "json")
+LONG_RECALL_TOKENS = 256  # the probe also reports recall on prompts at least this long
+
+
+def probe_examples(n: int) -> dict[str, list[tasks.Example]]:
+    """The fixed probe: `n` held-out examples of each task in PROBE_TASKS."""
+    return {task: tasks.eval_examples(task, n, seed=PROBE_SEED) for task in PROBE_TASKS}
+
+
+@torch.no_grad()
+def teacher_forced_exact(model: LlamaModel, tok: Tokenizer, examples: list[tasks.Example]) -> list[bool]:
+    """For each example: does the argmax at every position of `target + EOS` pick the right token?
+    That is what greedy decoding would write (one forward per batch instead of a loop per token)."""
+    eos, hits = tok.token_to_id(EOS), []
+    for i in range(0, len(examples), tasks.EVAL_BATCH_SIZE):
+        docs = [(tok.encode(ex.prompt).ids, tok.encode(ex.target, add_special_tokens=False).ids + [eos])
+                for ex in examples[i:i + tasks.EVAL_BATCH_SIZE]]
+        T = max(len(p) + len(t) for p, t in docs)
+        ids = torch.tensor([p + t + [eos] * (T - len(p) - len(t)) for p, t in docs])  # [B, T]
+        pred = model(ids[:, :-1]).argmax(-1)  # [B, T-1]: position t predicts token t+1
+        for b, (p, t) in enumerate(docs):
+            hits.append(pred[b, len(p) - 1:len(p) - 1 + len(t)].tolist() == t)
+    return hits
+
+
+def probe(model: LlamaModel, tok: Tokenizer, probe_set: dict[str, list[tasks.Example]]) -> dict[str, float]:
+    """Exact-answer rate per probe task, and recall on the long prompts alone ("recall_long")."""
+    model.eval()
+    out = {}
+    for task, examples in probe_set.items():
+        hits = teacher_forced_exact(model, tok, examples)
+        out[task] = round(sum(hits) / len(hits), 3)
+        if task == "recall":
+            long = [h for h, ex in zip(hits, examples, strict=True) if ex.meta["context_tokens"] >= LONG_RECALL_TOKENS]
+            out["recall_long"] = round(sum(long) / max(1, len(long)), 3)
+    model.train()
+    return out
 
 
 def init_weights(model: LlamaModel, std: float = 0.02) -> None:
