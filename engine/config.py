@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.threads import check_num_threads
+
 # The architectures whose weights map onto our one Llama-family decoder (see engine/model.py).
 # value: does the architecture put a bias on the q/k/v projections?
 SUPPORTED_ARCHITECTURES = {
@@ -260,8 +262,10 @@ class EngineConfig:
     attention_backend: str = "torch"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
+    num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)
 
     def __post_init__(self) -> None:
+        check_num_threads(self.num_threads)
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
         _require(self.attention_backend in ("torch", "triton", "cuda"),

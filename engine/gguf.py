@@ -126,7 +126,7 @@ def open_gguf(path: str | Path) -> GGUFReader:
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
-    if not GGUF_MAGIC.startswith(head[:4]) or not head:
+    if head and not GGUF_MAGIC.startswith(head[:4]):
         raise GGUFError(path, "magic", f"the file starts with {head[:4]!r}, a GGUF file starts with "
                         f"{GGUF_MAGIC!r}; is this really a llama.cpp GGUF file?")
     if len(head) < HEADER_BYTES:
@@ -145,10 +145,11 @@ def read_fields(reader: GGUFReader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _field(fields: dict, path, key: str, default=None, required: bool = True):
+def _field(fields: dict, path, key: str, default=None):
+    """fields[key], else `default`; with no default the field is required."""
     if key in fields:
         return fields[key]
-    if required and default is None:
+    if default is None:
         raise GGUFError(path, key, "missing; a llama.cpp model file states it (was the file written by an "
                         "old or a custom converter?)")
     return default

@@ -51,7 +51,7 @@ from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepRep
 
 
 def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = "torch",
-                  **options) -> EngineConfig:
+                  num_threads: int | None = None, **options) -> EngineConfig:
     """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
     (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
     names = {group: {f.name for f in dataclasses.fields(cls)}
@@ -63,7 +63,7 @@ def engine_config(model: str = "tinylab", dtype: str = "float32", attention_back
             known = sorted(names["scheduler"] | names["cache"])
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         picked[owner][key] = value
-    return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend,
+    return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend, num_threads=num_threads,
                         cache=CacheConfig(**picked["cache"]),
                         scheduler=SchedulerConfig(**picked["scheduler"]))
 

@@ -53,6 +53,7 @@ class TrainConfig:
     total_tokens: int = 9_000_000
     lr: float = 2e-3
     min_lr_fraction: float = 0.1  # cosine decays to this fraction of lr
+    decay_steps: int = 0  # > 0: constant lr, then a linear decay over the last decay_steps (0: cosine)
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -252,6 +253,9 @@ def batches(tok: Tokenizer, cfg: TrainConfig, seed: int, start_step: int = 0):
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.decay_steps:  # warm-up, stable, decay: a run can be extended before its decay starts
+        left = (cfg.steps - step) / cfg.decay_steps
+        return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * min(1.0, max(0.0, left)))
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * cosine)
@@ -299,6 +303,9 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": []}
     start = time.perf_counter()
     log["resumed_from_step"] = start_step
+    previous = Path(resume_from or "", "training_log.json")
+    if resume_from is not None and previous.exists():  # keep the earlier parts' logs (the curve spans them)
+        log["previous"] = json.loads(previous.read_text())
     probe_set = probe_examples(cfg.probe_n) if cfg.probe_every else {}
     log["probe"] = []
     bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
