@@ -46,6 +46,7 @@ from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import PagedAttention, build_batch, run_model
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.threads import default_num_threads, torch_threads
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepReport, TimeSplit, Trace
 
@@ -94,6 +95,7 @@ class LLMEngine:
         self.attention = PagedAttention(self.kv_pool, config.attention_backend)
         log_kv_cache(self.kv_pool, self.max_model_len)
         self.device = weight.device
+        self.num_threads = config.num_threads or default_num_threads(cfg.num_params())
         self.eos = eos_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
@@ -246,7 +248,8 @@ class LLMEngine:
         time_s = TimeSplit(schedule=time.perf_counter() - t0)
         at_risk = [r for w in sched.work for r in (w.request, *w.request.pending_forks)]
         try:
-            sampled = self._forward_and_sample(sched, time_s)
+            with torch_threads(self.num_threads):  # one thread for small models: see engine/threads.py
+                sampled = self._forward_and_sample(sched, time_s)
             queues, blocks = self._queue_snapshot(), self._block_snapshot()  # before finished ones free blocks
             scheduled, finish_events = self._update(sched, sampled, start)
         except BaseException as exc:  # even Ctrl-C: the queues must stay consistent for the next step
@@ -376,7 +379,7 @@ class LLMEngine:
             "model": {"name": self.config.model, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                       "num_hidden_layers": cfg.num_hidden_layers,
                       "max_position_embeddings": cfg.max_position_embeddings},
-            "dtype": self.config.dtype, "attention_backend": self.attention.backend,
+            "dtype": self.config.dtype, "attention_backend": self.attention.backend, "num_threads": self.num_threads,
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
                       "swap_space_bytes": self.kv_pool.swap_nbytes},

@@ -108,6 +108,25 @@ def test_story_target_is_two_to_five_more_sentences():
         assert 3 <= ex.meta["n_sentences"] <= 6
 
 
+def test_follow_up_questions_ask_other_facts_of_the_prompt_with_their_values():
+    rng = random.Random(3)
+    for ex in _examples("recall", n=40):
+        facts = dict(re.findall(r"(\w+)=(\d+);", ex.prompt))
+        asked = re.search(r"Question: (\w+)\? Answer:$", ex.prompt)[1]
+        follow = T.follow_up_questions(ex, rng, 5)
+        assert len(follow) == min(5, len(facts) - 1)
+        keys = [re.fullmatch(r" Question: (\w+)\? Answer:", q)[1] for q, _ in follow]
+        assert asked not in keys and len(set(keys)) == len(keys)
+        assert all(a == " " + facts[k] for k, (_, a) in zip(keys, follow, strict=True))
+
+
+def test_lookup_drills_have_the_asked_number_of_facts_and_stay_on_the_training_side():
+    rng = random.Random(4)
+    for n_facts in (2, 5, 17):
+        drills = [T.lookup_drill(rng, n_facts) for _ in range(30)]
+        assert all(d.meta["n_facts"] == n_facts and not T.is_eval_document(d.text) for d in drills)
+
+
 # ---------------------------------------------------------------- train / eval split
 
 
