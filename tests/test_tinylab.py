@@ -11,7 +11,8 @@ from engine import load_model
 from engine.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.lab.eval import evaluate_model
-from engine.lab.training import TrainConfig, train
+from engine.lab.training import (EOS, TrainConfig, batches, documents, encode_example, teacher_forced_exact,
+                                 train)
 from engine.loader import bundled_model_path
 from engine.naive import full_logits, generate_naive
 from engine.sampling import SamplingParams
@@ -60,3 +61,47 @@ def test_training_script_reduces_the_loss_on_a_tiny_config(tmp_path):
     assert log["loss"][-1] < log["loss"][0] - 0.5
     model, tok = load_model(tmp_path)
     assert model.config.num_hidden_layers == 1 and tok.decode(tok.encode("Q: 1+2=")) == "Q: 1+2="
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(bundled_model_path("tinylab") / "tokenizer.json"))
+
+
+def test_follow_up_answers_count_in_the_loss_and_the_question_after_an_answer_does_not():
+    tok = _tokenizer()
+    ex = tasks.Example("recall", "Facts: zor=417; bim=82; Question: bim? Answer:", " 82")
+    ids, w = encode_example(tok, ex, 0.0, follow_ups=[(" Question: zor? Answer:", " 417")])
+    assert tok.decode(ids, skip_special_tokens=False).endswith("Answer: 82 Question: zor? Answer: 417<eos>")
+    supervised = tok.decode([i for i, x in zip(ids, w, strict=True) if x > 0], skip_special_tokens=False)
+    assert supervised == " 82 417<eos>"  # both answers and the final EOS; no question token, no fact
+    assert ids[-1] == tok.token_to_id(EOS)
+
+
+def test_context_stages_keep_the_tokens_per_step_and_rows_hold_whole_documents():
+    tok = _tokenizer()
+    cfg = TrainConfig(batch_rows=2, context_tokens=512, context_stages=((2, 128),), curriculum_steps=2,
+                      recall_questions=4)
+    shapes = [ids.shape for ids, _ in (b for b, _ in zip(batches(tok, cfg, seed=0), range(4), strict=False))]
+    assert shapes == [(8, 128), (8, 128), (2, 512), (2, 512)]
+
+
+def test_curriculum_drills_are_short_and_ask_many_questions():
+    tok = _tokenizer()
+    cfg = TrainConfig(curriculum_steps=100, curriculum_facts=(4, 40), drill_questions=16)
+    recall_docs = [tok.decode(ids) for ids, _ in (d for d, _ in zip(documents(tok, cfg, 0, [0]), range(200),
+                                                                    strict=False)) if "Facts:" in tok.decode(ids)]
+    assert recall_docs
+    for doc in recall_docs:
+        n_facts, n_questions = doc.count("="), doc.count("Question:")
+        assert 2 <= n_facts <= 4 and n_questions == n_facts  # at step 0: at most 4 facts, each one asked
+
+
+def test_the_probe_says_what_greedy_decoding_would_write():
+    model, tok = load_model("tinylab")
+    examples = tasks.eval_examples("arith", 16, seed=tasks.EVAL_SEED_BASE + 3)
+    hits = teacher_forced_exact(model, tok.tk, examples)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    greedy = [generate_cached(model, tok, ex.prompt, params).text == ex.target for ex in examples]
+    assert hits == greedy and 0 < sum(hits)
