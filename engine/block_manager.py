@@ -187,7 +187,8 @@ class BlockUsage:
     """A snapshot of the pool, in blocks and in token slots (shared blocks counted once).
 
     wasted_slots = reserved_slots - used_slots: slots inside allocated blocks that hold no
-    token, i.e. the empty tail of each partly filled last block.
+    token, i.e. the empty tail of each partly filled last block. With a prefix cache,
+    total = used + free + cached: ``cached_blocks`` are free but cached (refcount 0, reusable on a hit).
     """
 
     total_blocks: int
@@ -196,6 +197,7 @@ class BlockUsage:
     reserved_slots: int
     used_slots: int
     wasted_slots: int
+    cached_blocks: int = 0
 
     @property
     def waste_fraction(self) -> float:
@@ -215,6 +217,7 @@ class SwapUsage:
 class _Sequence:
     block_table: list[int]
     num_tokens: int
+    block_hashes: list[str] = field(default_factory=list)  # of its first full blocks whose K/V is written
 
 
 class BlockManager:
@@ -226,18 +229,21 @@ class BlockManager:
     asked about with ``is_swapped``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 enable_prefix_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         if num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0 (0: no swap pool), got {num_swap_blocks}")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        # The prefix cache (chapter 06): hash -> block for full blocks, and the LRU evictor of the
+        # free-but-cached ones. The allocator consults it when a block's last holder lets go, and
+        # evicts from it when the free list is empty.
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, self.prefix_cache)
         self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
         self._seqs: dict[int, _Sequence] = {}  # on the device
         self._swapped: dict[int, _Sequence] = {}  # in the CPU swap pool: tables of CPU block ids
-        # The prefix cache (a later chapter) goes here: free-but-cached device blocks by content
-        # hash, and the evictor that picks which of them to reuse when the free list is empty.
 
     # ---- questions -------------------------------------------------------------------------
     def __contains__(self, seq_id: int) -> bool:
@@ -264,17 +270,19 @@ class BlockManager:
     def can_swap_in(self, seq_id: int, num_new_tokens: int = 0) -> bool:
         """Do its blocks, plus room for ``num_new_tokens`` more tokens, fit in the device pool?"""
         seq = self._get_swapped(seq_id)
-        return self.blocks_for(seq.num_tokens + num_new_tokens) <= self.allocator.num_free
+        return self.blocks_for(seq.num_tokens + num_new_tokens) <= self.allocator.num_available
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.allocator.num_free
+    def can_allocate(self, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Would ``allocate(seq, num_tokens, cached_blocks)`` succeed? A cached block that is free but
+        cached leaves the evictor when shared, so it counts against the blocks still available."""
+        return self._blocks_needed_to_allocate(num_tokens, cached_blocks) <= self.allocator.num_available
 
     def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self._blocks_needed_to_append(self._get(seq_id), num_new_tokens) <= self.allocator.num_free
+        return self._blocks_needed_to_append(self._get(seq_id), num_new_tokens) <= self.allocator.num_available
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._get(seq_id).block_table)
@@ -297,13 +305,23 @@ class BlockManager:
         return slots
 
     # ---- changes ---------------------------------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Register a new sequence holding ``num_tokens`` tokens; returns its block table."""
+    def allocate(self, seq_id: int, num_tokens: int, cached_blocks: list[int] = ()) -> list[int]:
+        """Register a new sequence holding ``num_tokens`` tokens; returns its block table.
+
+        ``cached_blocks`` (from ``find_cached_prefix``) start the table: shared, not allocated. We take
+        them out of the evictor BEFORE allocating the rest, so that the rest cannot evict them.
+        """
         if seq_id in self._seqs or seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id} already has blocks; free it or use append_slots")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        blocks = self.allocator.allocate_many(self.blocks_for(num_tokens))
+        if num_tokens < 0 or len(cached_blocks) * self.block_size > num_tokens:
+            raise ValueError(f"num_tokens must be >= 0 and cover the {len(cached_blocks)} cached blocks, "
+                             f"got {num_tokens}")
+        needed = self._blocks_needed_to_allocate(num_tokens, cached_blocks)
+        if needed > self.allocator.num_available:
+            raise NoFreeBlocksError(needed=needed, free=self.allocator.num_available)
+        for block in cached_blocks:
+            self.allocator.incref(block)
+        blocks = list(cached_blocks) + self.allocator.allocate_many(self.blocks_for(num_tokens) - len(cached_blocks))
         self._seqs[seq_id] = _Sequence(block_table=blocks, num_tokens=num_tokens)
         return list(blocks)
 
@@ -317,8 +335,8 @@ class BlockManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         needed = self._blocks_needed_to_append(seq, num_new_tokens)
-        if needed > self.allocator.num_free:
-            raise NoFreeBlocksError(needed=needed, free=self.allocator.num_free)
+        if needed > self.allocator.num_available:
+            raise NoFreeBlocksError(needed=needed, free=self.allocator.num_available)
         copies = []
         if num_new_tokens and self._last_block_is_shared_and_partial(seq):
             src = seq.block_table[-1]
@@ -339,7 +357,8 @@ class BlockManager:
             raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
         for block in parent.block_table:
             self.allocator.incref(block)
-        self._seqs[child_id] = _Sequence(block_table=list(parent.block_table), num_tokens=parent.num_tokens)
+        self._seqs[child_id] = _Sequence(block_table=list(parent.block_table), num_tokens=parent.num_tokens,
+                                         block_hashes=list(parent.block_hashes))
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence, on the device or swapped; blocks nobody else holds go back to the free list."""
@@ -348,7 +367,9 @@ class BlockManager:
                 self.swap_allocator.free(block)
             return
         seq = self._get(seq_id)
-        for block in seq.block_table:
+        # The tail first: with a prefix cache, the evictor then reuses a prefix's last blocks before
+        # its first ones, which more requests share (vLLM frees in the same order).
+        for block in reversed(seq.block_table) if self.prefix_cache else seq.block_table:
             self.allocator.free(block)
         del self._seqs[seq_id]
 
@@ -364,7 +385,8 @@ class BlockManager:
             raise NoFreeBlocksError(needed=len(seq.block_table), free=free, pool="CPU swap")
         cpu_blocks = self.swap_allocator.allocate_many(len(seq.block_table)) if seq.block_table else []
         self.free(seq_id)
-        self._swapped[seq_id] = _Sequence(block_table=cpu_blocks, num_tokens=seq.num_tokens)
+        self._swapped[seq_id] = _Sequence(block_table=cpu_blocks, num_tokens=seq.num_tokens,
+                                          block_hashes=seq.block_hashes)
         return list(zip(seq.block_table, cpu_blocks, strict=True))
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
@@ -375,7 +397,8 @@ class BlockManager:
         for block in seq.block_table:
             self.swap_allocator.free(block)
         del self._swapped[seq_id]
-        self._seqs[seq_id] = _Sequence(block_table=gpu_blocks, num_tokens=seq.num_tokens)
+        self._seqs[seq_id] = _Sequence(block_table=gpu_blocks, num_tokens=seq.num_tokens,
+                                       block_hashes=seq.block_hashes)
         return list(zip(seq.block_table, gpu_blocks, strict=True))
 
     def swap_usage(self) -> SwapUsage:
@@ -399,7 +422,65 @@ class BlockManager:
             reserved_slots=reserved,
             used_slots=used,
             wasted_slots=reserved - used,
+            cached_blocks=self.allocator.num_cached,
         )
+
+    # ---- the prefix cache (chapter 06; engine/prefix_cache.py) -------------------------------
+    def find_cached_prefix(self, token_ids: list[int], extra_keys: tuple, max_tokens: int) -> list[int]:
+        """The blocks holding the longest cached prefix of ``token_ids`` (whole blocks, at most
+        ``max_tokens`` tokens), to pass to ``allocate``; [] when prefix caching is off.
+
+        The caller caps ``max_tokens`` at len(token_ids) - 1: the last token is always fed again,
+        because sampling needs its logits (a fully cached prompt would leave nothing to run)::
+
+            tokens  a b c d | e f g h | i j          BS = 4, blocks 0 and 1 cached
+            hit     [7, 2]  -> 8 tokens; prefill i j only
+        """
+        if self.prefix_cache is None or max_tokens < self.block_size:
+            return []
+        blocks: list[int] = []
+        for h in block_hashes(token_ids[:max_tokens], self.block_size, extra_keys):
+            block = self.prefix_cache.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def cache_blocks(self, seq_id: int, token_ids: list[int], extra_keys: tuple, num_computed: int) -> None:
+        """The K/V of the sequence's first ``num_computed`` tokens is written (the forward ran): register
+        its full blocks in the prefix cache, so later requests can share them. A no-op without a cache.
+
+        We hash only the blocks that filled since the last call (the chain continues from the last
+        hash), and register every full block not registered yet (e.g. the fresh copies a swap-in made).
+        """
+        if self.prefix_cache is None:
+            return
+        seq = self._get(seq_id)
+        full = min(num_computed, seq.num_tokens) // self.block_size
+        known = len(seq.block_hashes)
+        if full > known:
+            parent = seq.block_hashes[-1] if known else None
+            seq.block_hashes += block_hashes(token_ids[:full * self.block_size], self.block_size, extra_keys,
+                                             start=known, parent=parent)
+        for block, h in zip(seq.block_table, seq.block_hashes[:full], strict=False):
+            self.prefix_cache.register(block, h)
+
+    def cached_block_ids(self) -> list[int]:
+        """The free-but-cached blocks, least recently used (next to be evicted) first."""
+        return self.prefix_cache.evictable() if self.prefix_cache else []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name). Only when no sequence holds a device block: a block
+        in use keeps its contents, and its holder may still rely on its hash. Returns False (nothing
+        changed) otherwise; True when cleared (or there is no cache)."""
+        if self.prefix_cache is None:
+            return True
+        if self.allocator.num_used:
+            return False
+        self.allocator.drop_cached()
+        for seq in self._swapped.values():
+            seq.block_hashes = []  # rehashed (and registered again) after their next forward
+        return True
 
     # ---- helpers ---------------------------------------------------------------------------
     def _get(self, seq_id: int) -> _Sequence:
@@ -420,6 +501,11 @@ class BlockManager:
     def _last_block_is_shared_and_partial(self, seq: _Sequence) -> bool:
         partial = seq.num_tokens % self.block_size != 0
         return partial and self.allocator.refcount(seq.block_table[-1]) > 1
+
+    def _blocks_needed_to_allocate(self, num_tokens: int, cached_blocks: list[int]) -> int:
+        """New blocks, plus the cached blocks that a hit takes out of the evictor (refcount 0 now)."""
+        revived = sum(1 for b in cached_blocks if self.allocator.refcount(b) == 0)
+        return self.blocks_for(num_tokens) - len(cached_blocks) + revived
 
     def _blocks_needed_to_append(self, seq: _Sequence, num_new_tokens: int) -> int:
         if num_new_tokens <= 0:

@@ -237,8 +237,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget in bytes; None: see above
     sliding_window: int | None = None
     swap_space_blocks: int | None = None  # CPU-side pool for swap preemption; None: as many as num_blocks
+    enable_prefix_caching: bool = False  # chapter 06: share the full KV blocks of a cached prefix (vLLM's name)
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.enable_prefix_caching, bool),
+                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _require(_is_int(self.block_size) and self.block_size >= 1 and math.log2(self.block_size).is_integer(),
                  f"block_size must be a power-of-two integer (1, 2, 4, 8, 16, ...), got {self.block_size!r}")
         for name, low, none_means in (("num_blocks", 1, "size the cache by bytes"),

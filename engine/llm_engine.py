@@ -42,6 +42,8 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_pool import PagedKVPool, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
+from engine.prefix_cache import cache_key
+from engine.prefix_cache import model_id as weights_id
 from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import PagedAttention, build_batch, run_model
 from engine.sampling import SamplingParams, sample
@@ -73,7 +75,8 @@ class LLMEngine:
     """Admits requests, runs one scheduler step per `step()`, and records a `Trace`."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, clock: Callable[[], float] = time.time):
+                 config: EngineConfig | None = None, clock: Callable[[], float] = time.time,
+                 model_id: str | None = None):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.clock = model.eval(), tokenizer, clock
         cfg = model.config
@@ -88,7 +91,10 @@ class LLMEngine:
             swap_blocks = num_blocks if cache.swap_space_blocks is None else cache.swap_space_blocks
         # The block manager owns every table (device and swap), the KV pool every tensor and copy,
         # the scheduler only decides; attention reads and writes through the pool.
-        self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks, cache.enable_prefix_caching)
+        # The prefix cache's key starts with the model's identity: its name and a hash of a sample of its
+        # weights (engine/prefix_cache.py), so new weights never read the old weights' K/V.
+        self.model_id = model_id or weights_id(config.model, cfg, model.state_dict().items())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.kv_pool = PagedKVPool.for_model(cfg, num_blocks, cache.block_size, weight.dtype, weight.device,
                                              swap_blocks)
@@ -120,12 +126,22 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, tenant: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request (text or token ids); returns its id. What is rejected: see the module docstring."""
+                    arrival_time: float | None = None, template_version: str | None = None,
+                    cache_scope: str | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. What is rejected: see the module docstring.
+
+        Prefix caching (when enabled) shares full KV blocks only between requests of the same model id,
+        `template_version` (the chat template's version, named by the caller) and scope: `cache_scope`
+        None is private to `tenant` (public without one), "private" needs a tenant, "public" shares with
+        every tenant that asks for "public" (e.g. a common system prompt). See engine/prefix_cache.py."""
         params = SamplingParams() if params is None else params
         request_id = str(self._num_requests if request_id is None else request_id)
         where = f"request {request_id!r}"
         params = self._checked_options(params, priority, tenant, arrival_time, where)
+        try:
+            key = cache_key(self.model_id, template_version, tenant, cache_scope)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{where}: {e}") from None
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]  # one per sample
         if any(i in self.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use; pick another or leave it None")
@@ -141,7 +157,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         samples = [Request(rid, self._next_seq_id + i, text, prompt_ids, _sample_params(params, i), arrival,
                            priority, tenant, self.tokenizer.detokenizer() if self.tokenizer else None,
-                           self.eos, index=i) for i, rid in enumerate(ids)]
+                           self.eos, index=i, cache_key=key) for i, rid in enumerate(ids)]
         head = samples[0]
         head.pending_forks = samples[1:]
         for s in samples:
@@ -178,6 +194,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): only while no sequence holds a KV block on the device;
+        returns False (nothing changed) otherwise, True when cleared (or prefix caching is off)."""
+        return self.block_manager.reset_prefix_cache()
+
+    def refresh_model_id(self) -> str:
+        """Recompute `model_id` from the model's weights, after changing them in place (a fine-tune step, a
+        new checkpoint loaded into the same model). Requests added from now on get the new id in their
+        cache key, so they never read K/V the old weights wrote; the old entries become unreachable and
+        are evicted as usual. Returns the new id."""
+        self.model_id = weights_id(self.config.model, self.model.config, self.model.state_dict().items())
+        return self.model_id
 
     def get_request(self, request_id: str) -> Request:
         return self.requests[str(request_id)]
@@ -331,6 +360,8 @@ class LLMEngine:
             req = w.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = start
+            # the forward wrote K/V for positions < w.end: its full blocks can now be shared (chapter 06)
+            self.block_manager.cache_blocks(req.seq_id, req.all_token_ids, req.cache_key, w.end)
             token, logprobs = sampled.get(req, (None, None))
             new = [] if token is None else [token]
             scheduled.append(ScheduledRequest(req.request_id, w.phase, w.start, w.end, len(new), new))
@@ -367,7 +398,8 @@ class LLMEngine:
         bm, usage, swap = self.block_manager, self.block_manager.usage(), self.block_manager.swap_usage()
         live = [r for r in self.scheduler.running if r.seq_id in bm]
         return BlockSnapshot(
-            total=usage.total_blocks, used=usage.used_blocks, free=usage.free_blocks, cached=0,
+            total=usage.total_blocks, used=usage.used_blocks, free=usage.free_blocks, cached=usage.cached_blocks,
+            cached_block_ids=bm.cached_block_ids(),
             block_size=bm.block_size, wasted_slots=usage.wasted_slots,
             tables={r.request_id: bm.block_table(r.seq_id) for r in live},
             num_tokens={r.request_id: bm.num_tokens(r.seq_id) for r in live},
@@ -376,12 +408,14 @@ class LLMEngine:
     def _config_dict(self, num_blocks: int, swap_blocks: int) -> dict:
         cfg = self.model.config
         return {
-            "model": {"name": self.config.model, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "model": {"name": self.config.model, "model_id": self.model_id, "vocab_size": cfg.vocab_size,
+                      "hidden_size": cfg.hidden_size,
                       "num_hidden_layers": cfg.num_hidden_layers,
                       "max_position_embeddings": cfg.max_position_embeddings},
             "dtype": self.config.dtype, "attention_backend": self.attention.backend, "num_threads": self.num_threads,
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
+                      "enable_prefix_caching": self.config.cache.enable_prefix_caching,
                       "swap_space_bytes": self.kv_pool.swap_nbytes},
             "scheduler": {**dataclasses.asdict(self.config.scheduler),
                           "token_budget": self.scheduler.token_budget},

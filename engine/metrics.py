@@ -66,6 +66,8 @@ VLLM_NAMES = {
     "prompt_tokens": "vllm:request_prompt_tokens",
     "output_tokens": "vllm:request_generation_tokens",
     "preemptions": "vllm:num_preemptions_total",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",  # tokens looked up in the prefix cache
+    "prefix_cache_hits": "vllm:prefix_cache_hits",  # of those, tokens found cached (not prefilled)
 }
 
 
@@ -371,8 +373,9 @@ def trace_summary(trace: Trace, tenant: str | None = None, slo: SLO | None = Non
 
 
 def trace_metrics(trace: Trace, tenant: str | None = None, slo: SLO | None = None) -> dict:
-    """`trace_summary(...)` as one flat dict (the row format of tables, sweeps and benchmark JSON)."""
-    return trace_summary(trace, tenant, slo).as_dict()
+    """`trace_summary(...)` as one flat dict (the row format of tables, sweeps and benchmark JSON), with the
+    prefix cache's queries, hits and hit rate (`prefix_cache_stats`)."""
+    return {**trace_summary(trace, tenant, slo).as_dict(), **prefix_cache_stats(trace, tenant).as_dict()}
 
 
 # ---- buckets: the same metrics for each kind of request ---------------------------------------------
@@ -418,3 +421,43 @@ def by_tenant(requests: Iterable[RequestTiming]) -> dict[str | None, list[Reques
 def summarize_buckets(buckets: dict, duration_s: float, slo: SLO | None = None) -> dict:
     """{bucket: ServingSummary} over the whole run's duration (so the buckets' throughputs add up)."""
     return {name: summarize(rs, duration_s, slo) for name, rs in buckets.items()}
+
+
+# ---- the prefix cache (chapter 06) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups over a run, in tokens, as vLLM counts them: every time a request gets its
+    blocks (arrival, or again after a recompute preemption), its tokens are *queried* and the cached
+    prefix found is a *hit*. hit_rate = hits / queries (nan when nothing was looked up: caching off)."""
+
+    queries: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else math.nan
+
+    def as_dict(self) -> dict:
+        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_hit_rate": self.hit_rate}
+
+
+def prefix_cache_stats(trace: Trace, tenant: str | None = None) -> PrefixCacheStats:
+    """Queries and hits from the trace's "prefix_hit" events (with `tenant`: that tenant's requests only;
+    a forked sample "<id>#i" belongs to its request's tenant)."""
+    tenants: dict[str, str | None] = {}
+    queries = hits = 0
+    for report in trace.steps:
+        for e in report.events:
+            kind = e.get("type")
+            if kind == "arrived":
+                tenants[e["request_id"]] = e.get("tenant")
+            elif kind == "forked":
+                tenants[e["request_id"]] = tenants.get(e["parent"])
+            elif kind == "prefix_hit":
+                if tenant is None or tenants.get(e["request_id"]) == tenant:
+                    queries += e["num_query_tokens"]
+                    hits += e["num_tokens"]
+    return PrefixCacheStats(queries, hits)

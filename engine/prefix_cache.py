@@ -148,6 +148,10 @@ class PrefixCache:
         """The free-but-cached blocks, least recently used first."""
         return list(self._evictor)
 
+    def entries(self) -> dict[str, int]:
+        """A copy of the hash -> block map."""
+        return dict(self._block_of)
+
     def lookup(self, h: str) -> int | None:
         return self._block_of.get(h)
 

@@ -108,6 +108,7 @@ class Request:
     samples: list[Request] = field(default_factory=list)  # all n samples of the request, in index order
     pending_forks: list[Request] = field(default_factory=list)  # on sample 0: forked at its first token
     error: str | None = None  # with finish_reason "error": the exception of the step that failed it
+    cache_key: tuple = ()  # the prefix cache's extra keys: (model id, template version, scope); prefix_cache.py
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, prompt_ids=list(self.prompt_token_ids))

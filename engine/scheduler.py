@@ -134,9 +134,10 @@ class Scheduler:
         for req in decodes_first:
             if req.status != RUNNING:  # preempted earlier in this loop, as someone's victim
                 continue
-            n = self._num_new_tokens(req, out.budget_left)
-            if n and self._make_room(req, n, out, scheduled):
-                self._schedule(req, n, out)
+            hit = self._cached_prefix(req)  # a static batch's request holds no block until it first runs
+            n = self._num_new_tokens(req, out.budget_left, hit)
+            if n and self._make_room(req, n, out, scheduled, hit):
+                self._schedule(req, n, out, hit)
                 scheduled.add(req.seq_id)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
@@ -145,14 +146,15 @@ class Scheduler:
                 return  # its n samples will all run
             if not self._tenant_has_room(req):
                 continue  # a quota blocks only its own tenant
-            n = self._num_new_tokens(req, out.budget_left)
-            if n == 0 or not self.block_manager.can_allocate(req.num_computed_tokens + n):
+            hit = self._cached_prefix(req)
+            n = self._num_new_tokens(req, out.budget_left, hit)
+            if n == 0 or not self.block_manager.can_allocate(self._computed(req, hit) + n, hit):
                 return  # FCFS: nobody overtakes the first request that does not fit
             self._move(req, self.waiting, self.running, RUNNING)
             out.events.append({"type": "admitted", "request_id": req.request_id,
                                "after_preemption": req.preempted})
             req.preempted = False
-            self._schedule(req, n, out)
+            self._schedule(req, n, out, hit)
 
     def _admit_static_batch(self, out: SchedulerOutput) -> None:
         """Static policy: take the next batch of up to max_num_seqs requests as a whole. Their
@@ -191,38 +193,58 @@ class Scheduler:
         """Whether req and the samples it will fork fit under max_num_seqs (a hard limit)."""
         return self._seats_taken() + 1 + len(req.pending_forks) <= self.config.max_num_seqs
 
-    def _num_new_tokens(self, req: Request, budget_left: int) -> int:
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """For a request that holds no blocks yet (new, or back after a recompute preemption): the cached
+        blocks of its longest cached prefix, at most num_tokens - 1 tokens (its last token is fed again:
+        sampling needs its logits). [] when it holds blocks already, or prefix caching is off."""
+        if req.seq_id in self.block_manager:
+            return []
+        return self.block_manager.find_cached_prefix(req.all_token_ids, req.cache_key, req.num_tokens - 1)
+
+    def _computed(self, req: Request, hit: list[int]) -> int:
+        """Tokens whose K/V is in the cache: computed by req, or found cached (a hit on a new request)."""
+        return req.num_computed_tokens + len(hit) * self.block_manager.block_size
+
+    def _num_new_tokens(self, req: Request, budget_left: int, hit: list[int] = ()) -> int:
         """How many of req's uncomputed tokens fit in this step (0: none, wait for the next)."""
-        remaining = req.num_uncomputed_tokens
+        remaining = req.num_tokens - self._computed(req, hit)
         if self.config.enable_chunked_prefill:
             chunk = self.config.max_prefill_chunk_tokens or remaining
             return min(remaining, chunk, budget_left)
         return remaining if remaining <= budget_left else 0
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        """Reserve KV slots for n more tokens of req (the caller checked there is room) and record it."""
-        bm, start = self.block_manager, req.num_computed_tokens
-        phase = "decode" if req.is_decoding else "prefill"
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput, hit: list[int] = ()) -> None:
+        """Reserve KV slots for n more tokens of req (the caller checked there is room) and record it.
+        `hit`: the cached blocks a request that holds no blocks yet starts with (prefix caching)."""
+        bm = self.block_manager
         if req.seq_id in bm:
             appended = bm.append_slots(req.seq_id, n)
             slots = appended.slots
             out.block_copies += appended.copies
-        else:  # first time it runs (or again after a recompute preemption): nothing cached
-            bm.allocate(req.seq_id, start + n)
+        else:  # first time it runs (or again after a recompute preemption): share what is cached
+            req.num_computed_tokens = start = self._computed(req, hit)
+            bm.allocate(req.seq_id, start + n, hit)
             slots = bm.slot_mapping(req.seq_id, range(start, start + n))
+            if bm.prefix_cache is not None:
+                out.events.append({"type": "prefix_hit", "request_id": req.request_id, "num_tokens": start,
+                                   "num_query_tokens": req.num_tokens})
+        start = req.num_computed_tokens
+        phase = "decode" if req.is_decoding else "prefill"
         req.num_computed_tokens = start + n
         out.budget_left -= n
         out.work.append(ScheduledWork(req, start, start + n, phase, slots))
 
-    def _has_room(self, req: Request, n: int) -> bool:
+    def _has_room(self, req: Request, n: int, hit: list[int] = ()) -> bool:
         bm = self.block_manager
         if req.seq_id in bm:
             return bm.can_append_slots(req.seq_id, n)
-        return bm.can_allocate(req.num_computed_tokens + n)
+        return bm.can_allocate(self._computed(req, hit) + n, hit)
 
-    def _make_room(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
-        """Preempt victims until req's n tokens fit; False when req itself had to go (or wait)."""
-        while not self._has_room(req, n):
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int],
+                   hit: list[int] = ()) -> bool:
+        """Preempt victims until req's n tokens fit; False when req itself had to go (or wait).
+        (Preempting only frees blocks, never evicts one, so the cached blocks in `hit` stay valid.)"""
+        while not self._has_room(req, n, hit):
             candidates = [r for r in self.running if r.seq_id not in scheduled]
             victim = max(candidates, key=rank)  # lowest priority, then latest arrival
             if victim is req and req.seq_id not in self.block_manager:

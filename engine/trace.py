@@ -10,7 +10,7 @@ One `StepReport` per `LLMEngine.step()`:
     ├── scheduled   "a" decode  [37, 38)  in 1  out 1  -> token 52
     │               "c" prefill [16, 32)  in 16 out 0            (a chunk: no token yet)
     ├── queues      waiting ["d"]  running ["a", "c"]  swapped []  preempted []  finished {"b": "stop"}
-    ├── blocks      16 total, 7 used, 9 free, 0 cached, 5 slots wasted, tables {"a": [0, 3, 4], ...}
+    ├── blocks      16 total, 7 used, 7 free, 2 cached, 5 slots wasted, tables {"a": [0, 3, 4], ...}
     └── events      {"type": "finished", "request_id": "b", "reason": "stop"}, ...
 
 When each part is measured (documented once here, relied on by `engine/viz.py`):
@@ -19,6 +19,7 @@ When each part is measured (documented once here, relied on by `engine/viz.py`):
   (or were aborted) during this step, with their reason.
 - `blocks` is the pool as the forward pass saw it: after this step's allocations and preemptions,
   before the requests that finished in this step gave their blocks back (the step's peak).
+  total = used + free + cached, where `cached` blocks are free but cached (prefix caching, chapter 06).
 - `events` are in the order they happened, including `arrived` / `aborted` calls made between the
   previous step and this one.
 - `time_s.prefill` / `time_s.decode` split the one batched forward in proportion to the number of
@@ -33,6 +34,9 @@ The events (small dicts, `type` first):
     {"type": "admitted",  "request_id", "after_preemption": bool}   (again after a recompute preemption)
     {"type": "preempted", "request_id", "mode": "recompute" | "swap", "reason"}
     {"type": "swapped_in", "request_id"}
+    {"type": "prefix_hit", "request_id", "num_tokens", "num_query_tokens"}   (prefix caching on) a request
+                          got its blocks: num_tokens of its num_query_tokens were found in the prefix cache
+                          and are not prefilled (0: a miss). Again after a recompute preemption.
     {"type": "forked",    "request_id", "parent"}      sample i of an n > 1 request, on sample 0's blocks
     {"type": "aborted",   "request_id", "time"}
     {"type": "finished",  "request_id", "reason": "stop" | "length"}
@@ -94,13 +98,14 @@ class BlockSnapshot:
     total: int = 0
     used: int = 0
     free: int = 0
-    cached: int = 0  # held by the prefix cache only (chapter 06; always 0 before it)
+    cached: int = 0  # free but cached: held by the prefix cache only (chapter 06; 0 when it is off)
     block_size: int = 0
     wasted_slots: int = 0  # empty slots inside allocated blocks (the tails of partly filled last blocks)
     tables: dict[str, list[int]] = field(default_factory=dict)  # request id -> physical block ids
     num_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens held in its blocks
     swap_total: int = 0  # the CPU-side swap pool (0 when preemption is by recompute)
     swap_used: int = 0
+    cached_block_ids: list[int] = field(default_factory=list)  # the `cached` blocks, next to be evicted first
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Issue 9: a seeded fuzz of the whole engine. No request, however bad, breaks the engine or the others.
 
-Each trial draws a configuration (policy, preemption mode, a tiny pool, chunked prefill or not) and then,
-step by step: arrivals (n up to 3), bad prompts (which must raise and leave no trace), aborts of whole
-requests, of single samples "<id>#i" and of finished ones, and now and then a step whose forward or
-sampler raises. After EVERY step we check the invariants below; at the end every request is finished,
-the greedy outputs of the ones that were neither aborted nor failed equal the naive loop's (and the
-others' are a prefix of it), and every block is free.
+Each trial draws a configuration (policy, preemption mode, a tiny pool, chunked prefill or not, prefix
+caching or not) and then, step by step: arrivals (n up to 3), bad prompts (which must raise and leave no
+trace), aborts of whole requests, of single samples "<id>#i" and of finished ones, and now and then a step
+whose forward or sampler raises. After EVERY step we check the invariants below; at the end every request
+is finished, the greedy outputs of the ones that were neither aborted nor failed equal the naive loop's
+(and the others' are a prefix of it), and every block is free (or free but cached).
 """
 
 import functools
@@ -55,7 +55,7 @@ def random_config(rng: random.Random) -> dict:
     config = dict(policy=rng.choice(["continuous", "static"]), preemption_mode=rng.choice(["recompute", "swap"]),
                   num_blocks=rng.randint(MIN_BLOCKS, MIN_BLOCKS + 6), block_size=BLOCK_SIZE,
                   max_num_seqs=rng.randint(2, 5), enable_chunked_prefill=rng.random() < 0.5,
-                  swap_space_blocks=rng.choice([None, 3, 8]))
+                  swap_space_blocks=rng.choice([None, 3, 8]), enable_prefix_caching=rng.random() < 0.5)
     if config["enable_chunked_prefill"]:
         config |= dict(max_num_batched_tokens=rng.choice([8, 16]), max_prefill_chunk_tokens=rng.choice([4, 8, None]))
     return config

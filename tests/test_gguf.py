@@ -326,14 +326,15 @@ def test_real_model_tokenizer_equals_transformers_gguf_tokenizer(real_pair):
 
 @pytest.mark.slow
 def test_real_model_greedy_outputs_equal_transformers_on_16_prompts(real_pair):
-    _, theirs, their_tok, tok = real_pair
+    ours, theirs, their_tok, tok = real_pair
     max_new = 6  # short: the point is token-for-token agreement, not long text
-    llm = LLM(REAL, max_num_seqs=len(PROMPTS), num_blocks=64)
+    llm = LLM(ours, tok, max_num_seqs=len(PROMPTS), num_blocks=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True),
                         use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = torch.tensor([their_tok(prompt)["input_ids"]])
-        with torch.no_grad():
-            ref = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                  do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+    their_tok.padding_side = "left"  # one batched generate (left padding, as transformers expects)
+    batch = their_tok(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ref = theirs.generate(**batch, max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                              pad_token_id=their_tok.pad_token_id)[:, batch["input_ids"].shape[1]:]
+    for prompt, out, expected in zip(PROMPTS, outs, ref.tolist(), strict=True):
+        assert out.outputs[0].token_ids == expected, prompt

@@ -346,6 +346,17 @@ def follow_up_questions(ex: Example, rng: random.Random, n: int) -> list[tuple[s
     return [(f" Question: {k}? Answer:", f" {v}") for k, v in rng.sample(others, min(n, len(others)))]
 
 
+def repeated_facts(ex: Example, rng: random.Random) -> list[tuple[str, str]]:
+    """The facts of a recall prompt again, in a new order, each value to be written from memory:
+
+        ... Answer: 82 Again: zor=417; bim=82; kep=950;
+                              key= ─► value;  (the plainest lookup: the same `key=` as in the facts)
+    """
+    facts = re.findall(r"(\w+)=(\d+);", ex.prompt.split("Question:")[0])
+    order = rng.sample(facts, len(facts))
+    return [((" Again:" if i == 0 else "") + f" {k}=", f"{v};") for i, (k, v) in enumerate(order)]
+
+
 def lookup_drill(rng: random.Random, n_facts: int) -> Example:
     """A short training-side recall document with exactly `n_facts` facts (for the curriculum)."""
     return _draw("recall", rng, False, n_facts=n_facts)

@@ -65,6 +65,7 @@ class TrainConfig:
     curriculum_steps: int = 0  # for this many steps recall documents are replaced by short drills
     curriculum_facts: tuple = (4, 40)  # facts per drill: up to the first number at step 0, the second at the end
     drill_questions: int = 16  # questions per drill (at most one per fact)
+    repeat_share: float = 0.0  # share of drills that repeat their facts in a new order instead (`repeated_facts`)
     context_stages: tuple = ()  # ((until_step, T), ...): rows of T tokens before until_step, same tokens per step
     probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
     probe_n: int = 64  # probe examples per task
@@ -194,7 +195,10 @@ def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg:
     docs, chars = [], 0
     while chars < len(ex.text):
         drill = tasks.lookup_drill(rng, rng.randint(2, max(2, drill_facts(step, cfg))))
-        doc = fit(tok, drill, tasks.follow_up_questions(drill, rng, cfg.drill_questions - 1), cfg, T)
+        again = rng.random() < cfg.repeat_share
+        follow_ups = (tasks.repeated_facts(drill, rng) if again
+                      else tasks.follow_up_questions(drill, rng, cfg.drill_questions - 1))
+        doc = fit(tok, drill, follow_ups, cfg, T)
         chars += len(drill.text) + 1
         if doc:
             docs.append(doc)

@@ -24,6 +24,9 @@ How to read the block grid (BS = 4, pool of 8 blocks, two sequences)::
 Each cell says its physical id and `owner[logical index]`; the coloured part of a cell is the
 fraction of its BS slots that hold tokens (the empty rest is the waste paging leaves). A block
 that several sequences share (after `fork`) is hatched and says how many hold it ("x3 [0]").
+With prefix caching (chapter 06), a block nobody holds whose K/V is still cached (free but
+cached: the next request with the same prefix reuses it, or the evictor reclaims it) is pale
+green and says "cached".
 
 Artists carry a `gid`: the cell of block b is "block:b", its filled part "fill:b".
 """
@@ -55,6 +58,7 @@ STRIP_SHRINK = 0.8  # a strip's grids are drawn a little smaller than a single g
 REQUESTS_DRAWN = 24  # rows in the per-request panel of render_reservation: enough to see the spread
 EMPTY_ALPHA = 0.22  # the empty part of an owned cell: its owner's colour, faded
 FREE_COLOR, EDGE_COLOR = "white", "0.55"
+CACHED_COLOR = "#c7e9c0"  # free but cached (prefix cache): a pale green, unlike any owner's strong colour
 USED_COLOR, WASTED_COLOR = "tab:blue", "tab:red"
 SHARED_HATCH = "///"
 # 18 distinct colours: tab20's strong shades first, then its light ones, so neighbours differ; its two
@@ -157,6 +161,7 @@ class BlockGridSnapshot:
     block_size: int
     num_tokens: dict | None = None  # seq id -> tokens; None: every block counts as full
     label: str = ""
+    cached_block_ids: tuple = ()  # free-but-cached blocks (prefix caching): held by no table
 
 
 def block_snapshot(manager: BlockManager, label: str = "") -> BlockGridSnapshot:
@@ -164,12 +169,14 @@ def block_snapshot(manager: BlockManager, label: str = "") -> BlockGridSnapshot:
     ids = manager.seq_ids()
     return BlockGridSnapshot(tables={s: manager.block_table(s) for s in ids},
                              num_blocks=manager.allocator.num_blocks, block_size=manager.block_size,
-                             num_tokens={s: manager.num_tokens(s) for s in ids}, label=label)
+                             num_tokens={s: manager.num_tokens(s) for s in ids}, label=label,
+                             cached_block_ids=tuple(manager.cached_block_ids()))
 
 
 def as_snapshot(data) -> BlockGridSnapshot:
     """A BlockGridSnapshot from a snapshot, a dict, or an object (e.g. a trace's BlockSnapshot) with
-    `tables`, `block_size`, `num_blocks` (or `total`), and optionally `num_tokens` and `label`."""
+    `tables`, `block_size`, `num_blocks` (or `total`), and optionally `num_tokens`, `label` and
+    `cached_block_ids`."""
     if isinstance(data, BlockGridSnapshot):
         return data
     get = data.get if isinstance(data, Mapping) else lambda key, default=None: getattr(data, key, default)
@@ -180,7 +187,8 @@ def as_snapshot(data) -> BlockGridSnapshot:
                          f"got {type(data).__name__}")
     return BlockGridSnapshot(tables=dict(get("tables")), num_blocks=int(num_blocks),
                              block_size=int(get("block_size")), num_tokens=get("num_tokens", None) or None,
-                             label=str(get("label", "") or ""))
+                             label=str(get("label", "") or ""),
+                             cached_block_ids=tuple(get("cached_block_ids", None) or ()))
 
 
 @dataclass(frozen=True)
@@ -239,21 +247,30 @@ def owner_color(seq_id, colors: Mapping | None = None):
     return PALETTE[index % len(PALETTE)]
 
 
-def _cell_text(b: int, cell: Cell | None) -> str:
+def _check_cached(cached: Sequence[int], tables: Mapping, num_blocks: int) -> None:
+    held = {b for table in tables.values() for b in table}
+    for b in cached:
+        if not 0 <= b < num_blocks or b in held:
+            _fail("render_block_grid", "cached_block_ids",
+                  f"holds block {b}: a free-but-cached block must be in 0..{num_blocks - 1} and in no table")
+
+
+def _cell_text(b: int, cell: Cell | None, cached: bool = False) -> str:
     if cell is None:
-        return f"{b}"
+        return f"{b}\ncached" if cached else f"{b}"
     # "a[1]": logical block 1 of sequence a; "x3 [0]": logical block 0 of three tables that share it
     who = f"{cell.owners[0]}" if len(cell.owners) == 1 else f"x{len(cell.owners)} "
     return f"{b}\n{who}[{cell.logical}]"
 
 
-def _draw_cell(ax, b: int, cell: Cell | None, block_size: int, columns: int, colors, labels: bool) -> None:
+def _draw_cell(ax, b: int, cell: Cell | None, block_size: int, columns: int, colors, labels: bool,
+               cached: bool = False) -> None:
     """One block: a frame faded in its owner's colour, the filled part solid (hatched when shared), a label.
 
     We add the artists with `add_artist` and keep them out of the layout: the axes limits are set
     once for the whole grid, and a pool of 48 cells then draws several times faster."""
     x, y = b % columns, b // columns
-    color = FREE_COLOR if cell is None else owner_color(cell.owners[0], colors)
+    color = (CACHED_COLOR if cached else FREE_COLOR) if cell is None else owner_color(cell.owners[0], colors)
     shared = cell is not None and len(cell.owners) > 1
     face = mcolors.to_rgba(color, 1.0 if cell is None else EMPTY_ALPHA)
     artists = [Rectangle((x, y), 1, 1, facecolor=face, edgecolor=EDGE_COLOR, linewidth=1, gid=f"block:{b}")]
@@ -263,7 +280,8 @@ def _draw_cell(ax, b: int, cell: Cell | None, block_size: int, columns: int, col
         artists.append(Rectangle((x, y + 1 - fill), 1, fill, facecolor=color, edgecolor=edge, hatch=hatch,
                                  linewidth=0.5, gid=f"fill:{b}"))
     if labels:
-        artists.append(ax.text(x + 0.5, y + 0.5, _cell_text(b, cell), ha="center", va="center", fontsize=6.5,
+        artists.append(ax.text(x + 0.5, y + 0.5, _cell_text(b, cell, cached), ha="center", va="center",
+                               fontsize=6.5,
                                bbox=LABEL_BOX if shared else None))
     for artist in artists:
         artist.set_in_layout(False)
@@ -280,10 +298,12 @@ def _grid_shape(num_blocks: int) -> tuple[int, int, float]:
 
 def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = True) -> None:
     cells = grid_cells(snap.tables, snap.num_blocks, snap.num_tokens, snap.block_size)
+    _check_cached(snap.cached_block_ids, snap.tables, snap.num_blocks)
+    cached = set(snap.cached_block_ids)
     columns, rows, _ = _grid_shape(snap.num_blocks)
     labels = snap.num_blocks <= CELL_TEXT_MAX_BLOCKS
     for b in range(snap.num_blocks):
-        _draw_cell(ax, b, cells.get(b), snap.block_size, columns, colors, labels)
+        _draw_cell(ax, b, cells.get(b), snap.block_size, columns, colors, labels, b in cached)
     ax.set_xlim(0, columns)
     ax.set_ylim(rows, 0)  # block 0 top left, ids grow left to right, then down
     ax.set_aspect("equal")
@@ -292,8 +312,10 @@ def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = Tr
     held = sum(c.tokens for c in cells.values())
     wasted = len(cells) * snap.block_size - held
     title = f"{len(cells)}/{snap.num_blocks} blocks used, {wasted} slots wasted (BS={snap.block_size})"
+    if cached:
+        title += f", {len(cached)} free but cached"
     ax.set_title(f"{snap.label}\n{title}" if snap.label else title, fontsize=9)
-    if legend and snap.tables:
+    if legend and (snap.tables or cached):
         owners = list(snap.tables)[:LEGEND_MAX_OWNERS]
         handles = [Patch(facecolor=owner_color(s, colors), label=f"{s}: {len(snap.tables[s])} blocks")
                    for s in owners]
@@ -302,17 +324,22 @@ def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = Tr
                                  label=f"... and {len(snap.tables) - len(owners)} more"))
         if any(len(c.owners) > 1 for c in cells.values()):
             handles.append(Patch(facecolor="white", edgecolor="black", hatch=SHARED_HATCH, label="shared"))
+        if cached:
+            handles.append(Patch(facecolor=CACHED_COLOR, edgecolor=EDGE_COLOR, label="free but cached"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
 
 
 def render_block_grid(block_tables: Mapping, num_blocks: int, num_tokens: Mapping | None = None,
-                      block_size: int = 16, title: str = "", colors: Mapping | None = None) -> Figure:
+                      block_size: int = 16, title: str = "", colors: Mapping | None = None,
+                      cached_block_ids: Sequence[int] = ()) -> Figure:
     """The physical KV pool as a grid: one cell per block, coloured by its owner (see the module doc).
 
     block_tables: {seq id: [physical block, ...]}; num_tokens: {seq id: tokens} (None: all full);
-    colors: optional {seq id: colour}, to keep colours fixed across a series of figures.
+    colors: optional {seq id: colour}, to keep colours fixed across a series of figures;
+    cached_block_ids: free-but-cached blocks (prefix caching), drawn pale green.
     """
-    snap = BlockGridSnapshot(dict(block_tables), num_blocks, block_size, num_tokens, title)
+    snap = BlockGridSnapshot(dict(block_tables), num_blocks, block_size, num_tokens, title,
+                             tuple(cached_block_ids))
     columns, rows, cell = _grid_shape(num_blocks)
     fig, axes = _new_figure(figsize=(cell * columns + LEGEND_INCHES, cell * rows + 0.9))
     _draw_block_grid(axes[0][0], snap, colors)
@@ -345,7 +372,7 @@ def render_block_grid_strip(snapshots: Sequence, steps: Sequence[int] | None = N
         snap = snaps[i]
         label = snap.label or f"snapshot {i}"
         _draw_block_grid(ax, BlockGridSnapshot(snap.tables, snap.num_blocks, snap.block_size, snap.num_tokens,
-                                               label))
+                                               label, snap.cached_block_ids))
     return fig
 
 
@@ -368,7 +395,8 @@ def block_grid_player(snapshots: Sequence, interval_ms: int = 700):
     def redraw(i: int) -> None:
         s = snaps[i]
         label = s.label or f"snapshot {i}"
-        display(render_block_grid(s.tables, s.num_blocks, s.num_tokens, s.block_size, label))
+        display(render_block_grid(s.tables, s.num_blocks, s.num_tokens, s.block_size, label,
+                                  cached_block_ids=s.cached_block_ids))
 
     return widgets.VBox([widgets.HBox([play, slider]), widgets.interactive_output(redraw, {"i": slider})])
 
