@@ -212,9 +212,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
 
 
 # The KV budget when neither num_blocks nor kv_cache_memory_bytes is given. vLLM's CPU backend
-# sizes its KV cache by VLLM_CPU_KVCACHE_SPACE, 4 GiB unless set; we follow it, and read
-# SERVELAB_KVCACHE_SPACE (GiB, like vLLM's variable) to change it (engine/kv_pool.py).
-DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * 2**30
+# sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB, 4 unless set); we read SERVELAB_KVCACHE_SPACE the
+# same way (engine/kv_pool.py), but default to 1 GiB: servelab runs in notebooks on laptops, two test
+# workers may each hold an engine, and the pool is zero-filled up front. 1 GiB holds 23,000 tokens of
+# SmolLM2-135M in fp32 (almost 3 requests at its full 8192-token context).
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 * 2**30
 KVCACHE_SPACE_ENV = "SERVELAB_KVCACHE_SPACE"
 
 

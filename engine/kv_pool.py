@@ -111,7 +111,7 @@ def _columns(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
 # ---- sizing ----------------------------------------------------------------------------------
 def default_kv_cache_memory_bytes(environ: Mapping[str, str] | None = None) -> int:
     """The default KV budget: ``$SERVELAB_KVCACHE_SPACE`` GiB when set (like vLLM's
-    ``VLLM_CPU_KVCACHE_SPACE``), else ``DEFAULT_KV_CACHE_MEMORY_BYTES`` (4 GiB)."""
+    ``VLLM_CPU_KVCACHE_SPACE``), else ``DEFAULT_KV_CACHE_MEMORY_BYTES`` (1 GiB)."""
     environ = os.environ if environ is None else environ
     text = environ.get(KVCACHE_SPACE_ENV, "").strip()
     if not text:
@@ -122,7 +122,7 @@ def default_kv_cache_memory_bytes(environ: Mapping[str, str] | None = None) -> i
         gib = math.nan
     if not (math.isfinite(gib) and gib > 0):
         raise ValueError(f"{KVCACHE_SPACE_ENV}={text!r} must be a positive number of GiB (e.g. 4 or 0.5); "
-                         "unset it for the default of 4 GiB")
+                         f"unset it for the default of {DEFAULT_KV_CACHE_MEMORY_BYTES / GiB:g} GiB")
     return int(gib * GiB)
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.block_manager import AppendResult, BlockAllocator, BlockManager, NoFreeBlocksError, SwapUsage
+from engine.prefix_cache import block_hashes
 
 # Small pools so that running out of blocks (the all-or-nothing path) happens often.
 MAX_BLOCKS = 12
@@ -462,3 +463,218 @@ def test_freeing_a_swapped_sequence_frees_its_swap_blocks():
     assert not bm.is_swapped(0) and 0 not in bm
     with pytest.raises(ValueError, match="unknown sequence id 0"):
         bm.free(0)
+
+
+# ---- chapter 06: the prefix cache's free-but-cached blocks and their evictor ---------------------------
+
+KEY_A, KEY_B = ("m:1", None, "tenant:a"), ("m:1", None, "tenant:b")
+
+
+def cached_sequence(bm: BlockManager, seq_id: int, ids: list[int], key=KEY_A) -> list[int]:
+    """Allocate ids as a prompt, mark its K/V written (its full blocks get their hashes), free it."""
+    bm.allocate(seq_id, len(ids))
+    bm.cache_blocks(seq_id, ids, key, len(ids))
+    table = bm.block_table(seq_id)
+    bm.free(seq_id)
+    return table
+
+
+def test_a_freed_full_block_stays_cached_and_a_partial_one_does_not():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    table = cached_sequence(bm, 0, list(range(10)))  # blocks: full, full, 2 of 4 slots
+    u = bm.usage()
+    assert (u.used_blocks, u.cached_blocks, u.free_blocks) == (0, 2, 6)
+    assert sorted(bm.cached_block_ids()) == sorted(table[:2])
+    assert bm.find_cached_prefix(list(range(12)), KEY_A, max_tokens=11) == table[:2]
+    assert bm.find_cached_prefix(list(range(12)), KEY_B, max_tokens=11) == []  # another scope: no hit
+    assert bm.find_cached_prefix(list(range(12)), KEY_A, max_tokens=7) == table[:1]  # capped: whole blocks
+
+
+def test_allocate_takes_free_blocks_before_evicting_the_least_recently_used_cached_one():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    old = cached_sequence(bm, 0, [5, 6])  # cached first: least recently used
+    new = cached_sequence(bm, 1, [7, 8])
+    assert bm.allocator.num_free == 2 and bm.allocator.num_cached == 2
+    bm.allocate(2, 4)  # the two free blocks: nothing evicted
+    assert bm.allocator.num_cached == 2
+    bm.allocate(3, 2)  # the free list is empty: the LRU cached block goes
+    assert bm.block_table(3) == old and bm.cached_block_ids() == new
+    assert bm.find_cached_prefix([5, 6, 1], KEY_A, 2) == []  # its hash went with it
+    assert bm.find_cached_prefix([7, 8, 1], KEY_A, 2) == new
+
+
+def test_an_evicted_block_is_never_found_under_its_old_hash():
+    """The stale-hash bug: after eviction and reuse for other tokens, no lookup may lead to the block,
+    and when its new holder fills it, it is registered under the NEW tokens' hash."""
+    bm = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=True)
+    first = cached_sequence(bm, 0, [5, 6, 7, 8])
+    bm.allocate(1, 4)  # evicts both
+    bm.cache_blocks(1, [9, 9, 9, 9], KEY_A, 4)
+    assert bm.block_table(1) == sorted(first) or set(bm.block_table(1)) == set(first)
+    assert bm.find_cached_prefix([5, 6, 7, 8, 0], KEY_A, 4) == []
+    assert bm.find_cached_prefix([9, 9, 9, 9, 0], KEY_A, 4) == bm.block_table(1)
+
+
+def test_a_hit_takes_its_blocks_out_of_the_evictor_and_admission_counts_them():
+    """3 blocks cached, 2 held, 1 free. A request sharing 2 cached blocks and needing 3 new ones needs
+    3 + 2 = 5 of the 4 available (free or cached): the 2 it shares leave the evictor. Refused, all or
+    nothing; with one new block fewer it fits."""
+    bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    prompt = [2, 3, 4, 5, 6, 7]
+    cached_sequence(bm, 0, prompt)
+    bm.allocate(1, 4)  # holds 2 blocks
+    mine = prompt[:4] + [9] * 6  # 10 tokens: 5 blocks, 2 of them cached
+    hit = bm.find_cached_prefix(mine, KEY_A, len(mine) - 1)
+    assert len(hit) == 2 and bm.allocator.num_available == 4
+    before = snapshot(bm)
+    assert not bm.can_allocate(len(mine), hit)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(2, len(mine), hit)
+    assert snapshot(bm) == before and bm.allocator.num_cached == 3
+    assert bm.can_allocate(len(mine) - 2, hit)
+    table = bm.allocate(2, len(mine) - 2, hit)
+    assert table[:2] == hit and all(bm.allocator.refcount(b) == 1 for b in table)
+    assert not set(hit) & set(bm.cached_block_ids())
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_held_and_then_frees_every_cached_block():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    cached_sequence(bm, 0, [2, 3, 4, 5])
+    bm.allocate(1, 1)
+    assert bm.reset_prefix_cache() is False and bm.allocator.num_cached == 2
+    bm.free(1)
+    assert bm.reset_prefix_cache() is True
+    assert bm.allocator.num_free == 4 and bm.find_cached_prefix([2, 3, 4, 5], KEY_A, 3) == []
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Sequences over a tiny alphabet (so prefixes repeat) in two scopes, sharing cached blocks. The fake
+    pool holds each slot's token and the scope that wrote it: a hit must read back exactly the sequence's
+    own tokens, written in its own scope, and every hash must lead to a block holding its tokens."""
+
+    @initialize(num_blocks=st.integers(2, MAX_BLOCKS), block_size=st.sampled_from([1, 2, 3]),
+                num_swap_blocks=st.integers(0, 6))
+    def setup(self, num_blocks, block_size, num_swap_blocks):
+        self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, enable_prefix_caching=True)
+        self.pool: dict[int, tuple] = {}  # slot -> (token, key) on the device
+        self.cpu_pool: dict[int, tuple] = {}
+        self.seqs: dict[int, tuple[list[int], tuple]] = {}  # seq -> (its tokens, its key)
+        self.hashed: dict[str, list[int]] = {}  # hash -> the tokens of the block it names
+        self.next_seq = 0
+
+    def _write(self, seq_id, slots, start):
+        ids, key = self.seqs[seq_id]
+        for pos, slot in zip(range(start, len(ids)), slots, strict=True):
+            self.pool[slot] = (ids[pos], key)
+        self._cache(seq_id)
+
+    def _cache(self, seq_id):
+        ids, key = self.seqs[seq_id]
+        self.bm.cache_blocks(seq_id, ids, key, len(ids))
+        bs = self.bm.block_size
+        for i, h in enumerate(block_hashes(ids, bs, key)):
+            self.hashed[h] = ids[i * bs:(i + 1) * bs]
+
+    def _live(self, data):
+        return data.draw(st.sampled_from(sorted(self.bm.seq_ids())))
+
+    @rule(ids=st.lists(st.integers(0, 2), min_size=1, max_size=2 * MAX_TOKENS_PER_CALL), b_scope=st.booleans())
+    def new_sequence(self, ids, b_scope):
+        key, bs = KEY_B if b_scope else KEY_A, self.bm.block_size
+        hit = self.bm.find_cached_prefix(ids, key, len(ids) - 1)
+        assert len(hit) * bs <= len(ids) - 1
+        before, can = snapshot(self.bm), self.bm.can_allocate(len(ids), hit)
+        seq_id, self.next_seq = self.next_seq, self.next_seq + 1
+        try:
+            self.bm.allocate(seq_id, len(ids), hit)
+        except NoFreeBlocksError:
+            assert not can and snapshot(self.bm) == before
+            return
+        assert can
+        self.seqs[seq_id] = (list(ids), key)
+        start = len(hit) * bs
+        for pos, slot in enumerate(self.bm.slot_mapping(seq_id, range(start))):  # the shared prefix
+            assert self.pool[slot] == (ids[pos], key), "a hit read a block holding something else"
+        self._write(seq_id, self.bm.slot_mapping(seq_id, range(start, len(ids))), start)
+
+    @precondition(lambda self: self.bm.seq_ids())
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=MAX_TOKENS_PER_CALL))
+    def append(self, data, new):
+        seq_id = self._live(data)
+        try:
+            result = self.bm.append_slots(seq_id, len(new))
+        except NoFreeBlocksError:
+            return
+        for src, dst in result.copies:  # copy-on-write, before writing
+            for off in range(self.bm.block_size):
+                if src * self.bm.block_size + off in self.pool:
+                    self.pool[dst * self.bm.block_size + off] = self.pool[src * self.bm.block_size + off]
+        ids, key = self.seqs[seq_id]
+        self.seqs[seq_id] = (ids + new, key)
+        self._write(seq_id, result.slots, len(ids))
+
+    @precondition(lambda self: self.bm.seq_ids())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self._live(data)
+        child, self.next_seq = self.next_seq, self.next_seq + 1
+        self.bm.fork(parent, child)
+        ids, key = self.seqs[parent]
+        self.seqs[child] = (list(ids), key)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.bm.free(seq_id)
+        del self.seqs[seq_id]
+
+    @precondition(lambda self: self.bm.seq_ids())
+    @rule(data=st.data())
+    def swap_out_and_back(self, data):
+        seq_id = self._live(data)
+        if not self.bm.can_swap_out(seq_id):
+            return
+        copy_blocks(self.pool, self.cpu_pool, self.bm.swap_out(seq_id), self.bm.block_size)
+        if self.bm.can_swap_in(seq_id):
+            copy_blocks(self.cpu_pool, self.pool, self.bm.swap_in(seq_id), self.bm.block_size)
+            self._cache(seq_id)  # the next forward ran: fresh copies may be registered
+
+    @invariant()
+    def refcounts_equal_table_entries_and_every_block_is_in_one_state(self):
+        if not hasattr(self, "bm"):
+            return
+        alloc = self.bm.allocator
+        holders = Counter(b for s in self.bm.seq_ids() for b in self.bm.block_table(s))
+        assert [alloc.refcount(b) for b in range(alloc.num_blocks)] == [holders[b] for b in range(alloc.num_blocks)]
+        cached = set(self.bm.cached_block_ids())
+        assert not cached & set(holders) and alloc.num_free + len(cached) + len(holders) == alloc.num_blocks
+
+    @invariant()
+    def every_hash_leads_to_a_block_holding_its_tokens(self):
+        if not hasattr(self, "bm"):
+            return
+        bs = self.bm.block_size
+        for h, block in self.bm.prefix_cache.entries().items():
+            held = [self.pool.get(block * bs + off, (None,))[0] for off in range(bs)]
+            assert held == self.hashed[h], "a stale hash: the block now holds other tokens"
+
+    @invariant()
+    def every_sequence_reads_back_its_tokens_in_its_scope(self):
+        if not hasattr(self, "bm"):
+            return
+        for s in self.bm.seq_ids():
+            ids, key = self.seqs[s]
+            assert [self.pool[x] for x in self.bm.slot_mapping(s, range(len(ids)))] == [(t, key) for t in ids]
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for s in list(self.seqs):
+            self.bm.free(s)
+        assert self.bm.allocator.num_used == 0 and self.bm.reset_prefix_cache()
+        assert self.bm.allocator.num_free == self.bm.allocator.num_blocks
+
+
+PrefixCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+test_prefix_cache_bookkeeping_holds_under_random_interleavings = PrefixCacheMachine.TestCase

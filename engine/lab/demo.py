@@ -42,6 +42,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.metrics import trace_summary
 from engine.sampling import SamplingParams
+from engine.threads import torch_threads
 from engine.trace import StepReport, Trace
 
 # The demo's engine: a pool that holds a few short requests but not everybody at their longest, so
@@ -270,7 +271,34 @@ def task_demo(model_name: str = "tinylab") -> int:
     return correct
 
 
+REAL_MODEL = "smollm2-135m-instruct"  # a real pretrained model, converted once from its GGUF file (engine/gguf.py)
+REAL_MODEL_QUESTIONS = ("What is the capital of France?", "Name three primary colors.")
+REAL_MODEL_MAX_TOKENS = 48
+
+
+def real_model_demo(name: str = REAL_MODEL) -> None:
+    """The same engine on a real 135M-parameter model: a couple of chat questions through its chat template."""
+    from engine.llm import LLM
+
+    try:
+        llm = LLM(name)
+    except FileNotFoundError as err:  # the model's package is not installed: say how, and go on
+        print(f"== {name}: skipped ({err})\n")
+        return
+    print(f"== {name}: {llm.engine.model.config.num_params() / 1e6:.0f}M parameters, a real pretrained model, "
+          f"greedy, through its chat template ==\n")
+    params = SamplingParams(temperature=0.0, max_tokens=REAL_MODEL_MAX_TOKENS)
+    conversations = [[{"role": "user", "content": q}] for q in REAL_MODEL_QUESTIONS]
+    for question, out in zip(REAL_MODEL_QUESTIONS, llm.chat(conversations, params, use_tqdm=False), strict=True):
+        answer = out.outputs[0]
+        print(f"[user] {question}\n    [assistant] {answer.text.strip()!r}")
+        print(f"    {len(answer.token_ids)} tokens, TTFT {out.metrics.ttft_s * 1e3:.0f} ms, "
+              f"{llm.engine.num_threads} torch thread(s)\n")
+
+
 def run_demo(args) -> None:
-    correct = task_demo(args.model)
-    print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct.\n")
+    with torch_threads(DEMO_TORCH_THREADS):
+        correct = task_demo(args.model)
+    print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct ({DEMO_TORCH_THREADS} torch thread).\n")
+    real_model_demo()
     step_through_demo(args.model, args.steps, pause=not args.no_pause)
