@@ -199,7 +199,7 @@ class Scheduler:
         sampling needs its logits). [] when it holds blocks already, or prefix caching is off."""
         if req.seq_id in self.block_manager:
             return []
-        return self.block_manager.find_cached_prefix(req.all_token_ids, req.cache_key, req.num_tokens)
+        return self.block_manager.find_cached_prefix(req.all_token_ids, req.cache_key, req.num_tokens - 1)
 
     def _computed(self, req: Request, hit: list[int]) -> int:
         """Tokens whose K/V is in the cache: computed by req, or found cached (a hit on a new request)."""

@@ -177,3 +177,30 @@ def test_widget_has_the_four_sliders_and_redraws_with_their_values(monkeypatch):
     assert seen[-1].temperature == pytest.approx(0.7) and seen[-1].top_p == pytest.approx(0.9)
     sliders["top_k"].value = 3
     assert seen[-1].top_k == 3 and seen[-1].temperature == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("mass, kept", [(0.3, 1), (0.35, 1), (0.5, 2), (0.6, 2), (0.61, 3), (0.9, 5), (1.0, 6)])
+def test_tokens_to_cover_counts_what_top_p_keeps_boundary_token_included(mass, kept):
+    # PROBS sorted: cumulative 0.35 0.60 0.75 0.85 0.93 1.00; the token that crosses `mass` is kept.
+    assert viz.tokens_to_cover(logits_of(PROBS), mass) == kept
+
+
+def test_tokens_to_cover_rejects_a_mass_outside_zero_to_one():
+    with pytest.raises(ValueError, match="mass=1.5"):
+        viz.tokens_to_cover(logits_of(PROBS), 1.5)
+
+
+def test_cumulative_mass_draws_each_distributions_sorted_running_sum_and_marks_top_p():
+    shuffled = [PROBS[i] for i in (3, 0, 5, 1, 4, 2)]  # the curve must not depend on the token order
+    flat = [1 / 20] * 20
+    fig = rendered(viz.render_cumulative_mass({"peaked": logits_of(shuffled), "flat": logits_of(flat)},
+                                              masses=(0.5, 0.9)))
+    ax = fig.axes[0]
+    curves = [line for line in ax.lines if line.get_linestyle() == "-"]
+    assert [c.get_label() for c in curves] == ["peaked (vocabulary 6)", "flat (vocabulary 20)"]
+    np.testing.assert_allclose(curves[0].get_ydata(), np.cumsum(PROBS), atol=ATOL)
+    np.testing.assert_allclose(curves[1].get_xdata(), np.arange(1, 21))
+    dots = [(int(line.get_xdata()[0]), line.get_color()) for line in ax.lines if line.get_marker() == "o"]
+    assert dots == [(2, "C0"), (5, "C0"), (10, "C1"), (18, "C1")]
+    assert ax.get_xscale() == "log"
+    assert "top-p 0.9: 18" in [t.get_text() for t in ax.texts]

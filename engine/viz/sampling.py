@@ -2,6 +2,7 @@
 
     render_sampling_stages   the distribution after each stage: raw -> temperature -> top-k -> top-p -> min-p
     sampling_widget          sliders for those four knobs, redrawing render_sampling_stages
+    render_cumulative_mass   how many of the most likely tokens hold the probability (the tail's length)
     render_loop_trace        the loop step by step: each step's top candidates and the token it chose
     render_step_times        per-step time against sequence length (the naive loop's growing cost)
 
@@ -19,7 +20,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from engine.sampling import STAGES, TOP_K_OFF, SamplingParams, probs_after_each_stage
+from engine.sampling import STAGES, TOP_K_OFF, SamplingParams, probs_after_each_stage, top_p_filter
 from engine.tokenizer import Tokenizer
 
 TOP_SHOWN = 20  # tokens per panel: enough to see the tail the filters cut, few enough to read the labels
@@ -137,6 +138,53 @@ def sampling_widget(logits_1d: torch.Tensor, tokenizer: Tokenizer | None = None,
     figure = widgets.interactive_output(redraw, sliders)
     controls = list(sliders.values())
     return widgets.VBox([widgets.HBox(controls[:2]), widgets.HBox(controls[2:]), figure])
+
+
+# ---- how long is the tail? ---------------------------------------------------------------------------
+
+
+def tokens_to_cover(logits_1d: torch.Tensor, mass: float) -> int:
+    """How many of the most likely tokens it takes to hold probability `mass`: what top-p=mass keeps
+    (we ask the sampler's own `top_p_filter`, so the boundary token and ties count as it counts them)."""
+    if not 0 < mass <= 1:
+        raise ValueError(f"mass={mass!r} must be in (0, 1]: a share of the probability, as top_p is")
+    logits_1d = logits_1d.detach().float().cpu().reshape(-1)  # [V]
+    return int(torch.isfinite(top_p_filter(logits_1d, mass)).sum())
+
+
+def render_cumulative_mass(logits: Mapping[str, torch.Tensor], masses: Sequence[float] = (0.8, 0.95)) -> Figure:
+    """The probability held by the k most likely tokens, against k (log scale), one line per distribution.
+
+        mass ^            ______________ a peaked, short-tailed distribution
+         1.0 |     ____.-'       ...---'' a long tail: hundreds of tokens to reach 0.95
+             |  .-'   ..--''
+             | /  .-''
+             +------------------------> k, the number of most likely tokens kept (log)
+
+    A dot marks, for each of `masses`, how many tokens top-p with that p keeps (`tokens_to_cover`).
+    logits: {label: next-token logits [V]}; the vocabularies may differ in size.
+    """
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (label, logits_1d) in enumerate(logits.items()):
+        logits_1d = logits_1d.detach().float().cpu().reshape(-1)  # [V]
+        cumulative = torch.softmax(logits_1d, dim=-1).sort(descending=True).values.cumsum(0).numpy()  # [V]
+        ax.plot(np.arange(1, len(cumulative) + 1), cumulative, color=f"C{i}", linewidth=2,
+                label=f"{label} (vocabulary {len(cumulative):,})")
+        for mass in masses:
+            k = tokens_to_cover(logits_1d, mass)
+            ax.plot([k], [cumulative[k - 1]], "o", color=f"C{i}")
+            ax.annotate(f"top-p {mass:g}: {k:,}", (k, cumulative[k - 1]), textcoords="offset points",
+                        xytext=(6, -12), fontsize=8, color=f"C{i}")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("k: the k most likely tokens (log scale)")
+    ax.set_ylabel("probability they hold together")
+    ax.set_title("How many tokens hold the next token's probability (dots: what top-p keeps)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
 
 
 # ---- the loop, step by step -------------------------------------------------------------------------
