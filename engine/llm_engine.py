@@ -23,6 +23,11 @@ Documented behaviours:
 - `abort_request("<id>")` stops every unfinished sample, even when sample 0 has finished already;
   it warns and returns False only when nothing of the request was left to stop (unknown id, or all
   finished).
+- Prefix caching (`enable_prefix_caching=True`, chapter 06): full KV blocks are shared between requests
+  with the same tokens, `model_id` (computed once from the weights; `refresh_model_id()` after changing
+  them in place), `template_version` and scope (tenant-private by default, or `cache_scope="public"`);
+  their greedy outputs are the same as with it off. `reset_prefix_cache()` clears it while no request
+  holds blocks (else returns False).
 - A step that raises (a bug, out of memory in the forward) does not kill the engine: every sequence
   it ran is finished with finish_reason "error" (`Request.error` keeps the exception), its blocks are
   freed, the step is recorded with a "finished" event of reason "error", and the exception is raised

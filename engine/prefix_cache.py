@@ -181,7 +181,7 @@ class PrefixCache:
     def evict(self) -> int:
         """Take the least recently used free-but-cached block, its hash removed first (for reuse)."""
         block, _ = self._evictor.popitem(last=False)
-        self._hash_of.pop(block)
+        del self._block_of[self._hash_of.pop(block)]
         return block
 
     def clear(self) -> list[int]:

@@ -22,6 +22,12 @@ One `schedule()` builds one step, in this order (vLLM's):
 
 Every step stays within `max_num_batched_tokens` tokens (prefill chunk tokens + one per decode).
 
+Prefix caching (chapter 06): a request that holds no blocks yet (new, or back after a recompute
+preemption) first looks up its longest cached prefix in whole blocks, at most all its tokens but the
+last (whose logits we sample from). It shares those blocks and starts with num_computed_tokens at the
+hit, so only the rest is prefilled; the blocks a hit takes out of the evictor count against the free
+ones at admission. A "prefix_hit" event records each lookup.
+
 The victim: among the running requests not yet scheduled in this step (and the needy request
 itself), the one with the LOWEST priority (largest number), then the LATEST arrival. This is
 vLLM's choice: the newest request has the least work to lose and the least waiting behind it,

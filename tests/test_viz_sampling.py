@@ -192,15 +192,15 @@ def test_tokens_to_cover_rejects_a_mass_outside_zero_to_one():
 
 def test_cumulative_mass_draws_each_distributions_sorted_running_sum_and_marks_top_p():
     shuffled = [PROBS[i] for i in (3, 0, 5, 1, 4, 2)]  # the curve must not depend on the token order
-    flat = [1 / 20] * 20
+    flat = [(20 - i) / 210 for i in range(20)]  # 20/210, 19/210, ... 1/210: cumulative 20, 39, 57, ... /210
     fig = rendered(viz.render_cumulative_mass({"peaked": logits_of(shuffled), "flat": logits_of(flat)},
-                                              masses=(0.5, 0.9)))
+                                              masses=(0.45, 0.8)))
     ax = fig.axes[0]
     curves = [line for line in ax.lines if line.get_linestyle() == "-"]
     assert [c.get_label() for c in curves] == ["peaked (vocabulary 6)", "flat (vocabulary 20)"]
     np.testing.assert_allclose(curves[0].get_ydata(), np.cumsum(PROBS), atol=ATOL)
     np.testing.assert_allclose(curves[1].get_xdata(), np.arange(1, 21))
     dots = [(int(line.get_xdata()[0]), line.get_color()) for line in ax.lines if line.get_marker() == "o"]
-    assert dots == [(2, "C0"), (5, "C0"), (10, "C1"), (18, "C1")]
+    assert dots == [(2, "C0"), (4, "C0"), (6, "C1"), (12, "C1")]  # 105/210 >= 0.45, 174/210 >= 0.8
     assert ax.get_xscale() == "log"
-    assert "top-p 0.9: 18" in [t.get_text() for t in ax.texts]
+    assert "top-p 0.8: 12" in [t.get_text() for t in ax.texts]

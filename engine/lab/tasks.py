@@ -357,6 +357,19 @@ def repeated_facts(ex: Example, rng: random.Random) -> list[tuple[str, str]]:
     return [((" Again:" if i == 0 else "") + f" {k}=", f"{v};") for i, (k, v) in enumerate(order)]
 
 
+def repeated_run(ex: Example, rng: random.Random) -> list[tuple[str, str]]:
+    """The facts of a recall prompt again from a random fact on, in their order, keys and values to
+    be written (all but the first key): the plainest "induction" (find where we are, copy what came next).
+
+        Facts: zor=417; bim=82; kep=950; ... Again: bim=82; kep=950;
+                                                   ^^^^^^^^^^^^^^^^^ (question "Again: bim=", answers)
+    """
+    facts = re.findall(r"(\w+)=(\d+);", ex.prompt.split("Question:")[0])
+    i = rng.randrange(len(facts))
+    (k, v), rest = facts[i], facts[i + 1:]
+    return [(f" Again: {k}=", f"{v};")] + [("", f" {k}={v};") for k, v in rest]
+
+
 def lookup_drill(rng: random.Random, n_facts: int) -> Example:
     """A short training-side recall document with exactly `n_facts` facts (for the curriculum)."""
     return _draw("recall", rng, False, n_facts=n_facts)

@@ -66,6 +66,7 @@ class TrainConfig:
     curriculum_facts: tuple = (4, 40)  # facts per drill: up to the first number at step 0, the second at the end
     drill_questions: int = 16  # questions per drill (at most one per fact)
     repeat_share: float = 0.0  # share of drills that repeat their facts in a new order instead (`repeated_facts`)
+    repeat_in_order: bool = False  # repeat a run of the facts in order, keys in the loss too (`repeated_run`)
     context_stages: tuple = ()  # ((until_step, T), ...): rows of T tokens before until_step, same tokens per step
     probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
     probe_n: int = 64  # probe examples per task
@@ -153,7 +154,7 @@ def with_follow_ups(tok: Tokenizer, ids: list[int], weights: list[float], follow
     """
     for q, a in follow_ups:
         q_ids, a_ids = tok.encode(q, add_special_tokens=False).ids, tok.encode(a, add_special_tokens=False).ids
-        q_w = [0.0] + [prompt_weight] * (len(q_ids) - 1)
+        q_w = ([0.0] + [prompt_weight] * (len(q_ids) - 1))[:len(q_ids)]
         ids, weights = ids + q_ids + a_ids, weights + q_w + [1.0] * len(a_ids)
     return ids, weights
 
@@ -196,7 +197,8 @@ def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg:
     while chars < len(ex.text):
         drill = tasks.lookup_drill(rng, rng.randint(2, max(2, drill_facts(step, cfg))))
         again = rng.random() < cfg.repeat_share
-        follow_ups = (tasks.repeated_facts(drill, rng) if again
+        repeat = tasks.repeated_run if cfg.repeat_in_order else tasks.repeated_facts
+        follow_ups = (repeat(drill, rng) if again
                       else tasks.follow_up_questions(drill, rng, cfg.drill_questions - 1))
         doc = fit(tok, drill, follow_ups, cfg, T)
         chars += len(drill.text) + 1

@@ -218,7 +218,8 @@ def render_timeline_comparison(traces: Mapping[str, Trace], metrics: bool = True
 
 def _block_snapshot(trace: Trace, i: int) -> BlockGridSnapshot:
     b = trace[i].blocks
-    return BlockGridSnapshot(dict(b.tables), b.total, b.block_size, dict(b.num_tokens), f"step {i}")
+    return BlockGridSnapshot(dict(b.tables), b.total, b.block_size, dict(b.num_tokens), f"step {i}",
+                             tuple(getattr(b, "cached_block_ids", ()) or ()))
 
 
 def render_blocks(trace: Trace, i: int) -> Figure:
@@ -227,7 +228,8 @@ def render_blocks(trace: Trace, i: int) -> Figure:
     snap = _block_snapshot(trace, i)
     if snap.num_blocks < 1:
         raise ValueError(f"render_blocks: step {i} has no block pool recorded (blocks.total = 0)")
-    return render_block_grid(snap.tables, snap.num_blocks, snap.num_tokens, snap.block_size, snap.label)
+    return render_block_grid(snap.tables, snap.num_blocks, snap.num_tokens, snap.block_size, snap.label,
+                             cached_block_ids=snap.cached_block_ids)
 
 
 def queue_lengths(trace: Trace) -> dict[str, list[int]]:
