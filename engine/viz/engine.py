@@ -219,7 +219,7 @@ def render_timeline_comparison(traces: Mapping[str, Trace], metrics: bool = True
 def _block_snapshot(trace: Trace, i: int) -> BlockGridSnapshot:
     b = trace[i].blocks
     return BlockGridSnapshot(dict(b.tables), b.total, b.block_size, dict(b.num_tokens), f"step {i}",
-                             tuple(getattr(b, "cached_block_ids", ()) or ()))
+                             tuple(b.cached_block_ids))
 
 
 def render_blocks(trace: Trace, i: int) -> Figure:
