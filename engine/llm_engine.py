@@ -348,7 +348,7 @@ class LLMEngine:
             for req in (w.request, *w.request.pending_forks):
                 owners.append(req)
                 rows.append(row)
-        out = sample(logits[rows].float(), [r.sampling for r in owners], self.eos[0] if self.eos else None)
+        out = sample(logits[rows].float(), [r.sampling for r in owners], self.eos)
         time_s.sample = time.perf_counter() - t1
         n_prefill = sum(w.end - w.start for w in sched.work if w.phase == "prefill")
         n_all = sum(w.end - w.start for w in sched.work)

@@ -69,12 +69,11 @@ def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams, tok
     """The autoregressive loop: feed new tokens, sample, append, check stops."""
     state = SamplingState(params, prompt_ids=list(prompt_ids))
     detok = tokenizer.detokenizer() if tokenizer is not None else None
-    eos_id = eos[0] if eos else None  # the sampler keeps this one out until min_tokens
     new, times, reason, text = list(prompt_ids), [], "length", ""
     while len(prompt_ids) + len(state.output_ids) < max_len:
         start = time.perf_counter()
         logits = step_fn(new)  # [V]
-        token = int(sample(logits[None].float(), [state], eos_id).token_ids[0])
+        token = int(sample(logits[None].float(), [state], eos).token_ids[0])  # EOS kept out until min_tokens
         times.append(time.perf_counter() - start)
         if detok is not None and shows_text(token, eos):
             delta = detok.push(token)

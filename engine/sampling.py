@@ -224,13 +224,13 @@ class SamplerOutput:
 
 
 def _mask_stop_tokens(logits: torch.Tensor, params: SamplingParams, n_output: int,
-                      eos_token_id: int | None) -> torch.Tensor:
-    """min_tokens: while too few tokens exist, EOS and the stop token ids cannot be chosen."""
+                      eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """min_tokens: while too few tokens exist, every EOS id and the stop token ids cannot be chosen."""
     if n_output >= params.min_tokens:
         return logits
     banned = list(params.stop_token_ids)
-    if eos_token_id is not None and not params.ignore_eos:
-        banned.append(eos_token_id)
+    if not params.ignore_eos:
+        banned += list(eos_token_ids)
     logits = logits.clone()
     logits[banned] = float("-inf")
     return logits
@@ -246,11 +246,11 @@ def _top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogpr
 
 
 def _sample_row(logits: torch.Tensor, state: SamplingState,
-                eos_token_id: int | None) -> tuple[int, TokenLogprobs | None]:
+                eos_token_ids: Sequence[int]) -> tuple[int, TokenLogprobs | None]:
     params = state.params
     logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids, params.repetition_penalty,
                              params.presence_penalty, params.frequency_penalty)
-    logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_id)
+    logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
@@ -262,11 +262,13 @@ def _sample_row(logits: torch.Tensor, state: SamplingState,
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
-           eos_token_id: int | None = None) -> SamplerOutput:
-    """Pick one token per row of logits [B, V]; row i follows rows[i]. The states are not changed."""
+           eos_token_ids: int | Sequence[int] | None = ()) -> SamplerOutput:
+    """Pick one token per row of logits [B, V]; row i follows rows[i]. The states are not changed.
+    eos_token_ids: the model's end-of-sequence ids (one int is fine), kept out until min_tokens."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [B, V] with B = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
-    picked = [_sample_row(row, state, eos_token_id) for row, state in zip(logits, rows, strict=True)]
+    eos = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+    picked = [_sample_row(row, state, eos) for row, state in zip(logits, rows, strict=True)]
     token_ids = torch.tensor([token for token, _ in picked], dtype=torch.long, device=logits.device)
     return SamplerOutput(token_ids, [logprobs for _, logprobs in picked])
 

@@ -270,9 +270,18 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_enough_outputs():
     logits = torch.tensor([[9.0, 8.0, 1.0, 0.0]])  # eos, then the stop id, are the favourites
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[stop_id])
     early = SamplingState(params, output_ids=[2])
-    assert sample(logits, [early], eos_token_id=eos).token_ids.tolist() == [2]
+    assert sample(logits, [early], eos_token_ids=eos).token_ids.tolist() == [2]
     enough = SamplingState(params, output_ids=[2, 3])
-    assert sample(logits, [enough], eos_token_id=eos).token_ids.tolist() == [eos]
+    assert sample(logits, [enough], eos_token_ids=eos).token_ids.tolist() == [eos]
+
+
+def test_min_tokens_blocks_every_eos_id_of_a_chat_model():
+    logits = torch.tensor([[9.0, 8.0, 1.0, 0.0]])  # two EOS ids (0 and 1) are the favourites
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    early = SamplingState(params, output_ids=[3])
+    assert sample(logits, [early], eos_token_ids=[0, 1]).token_ids.tolist() == [2]
+    enough = SamplingState(params, output_ids=[3, 3])
+    assert sample(logits, [enough], eos_token_ids=[0, 1]).token_ids.tolist() == [0]
 
 
 def test_sample_rejects_a_batch_that_does_not_match_its_rows():
