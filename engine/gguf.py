@@ -271,6 +271,72 @@ def read_tensors(reader: GGUFReader, config: dict, path, on_tensor: Callable[[st
     return out
 
 
+# ---- keeping the quantized blocks (chapter 07) ------------------------------------------------
+# A block is 32 consecutive weights of one row: an fp16 scale d (Q4_1 also an fp16 min m), then the
+# integers. Each maps onto our per-group format (kernels/quant_matmul) with G = 32, exactly:
+#     Q8_0  w = d * q,  q int8                  ->  int8, scale d
+#     Q4_0  w = d * (q - 8),  q 0..15            ->  int4, scale d, zero point 8
+#     Q4_1  w = d * q + m,    q 0..15            ->  int4, scale d, zero point -m / d
+# Nibbles: byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble).
+GGUF_BLOCK = 32
+QUANTIZED_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+Q4_0_ZERO = 8
+
+
+def quantized_blocks(raw: np.ndarray, type_name: str, rows: int):
+    """One tensor's raw GGUF blocks [rows, bytes per row] -> a QuantizedWeight (G = 32) without
+    dequantizing; None for the float types (F32, F16, BF16)."""
+    from kernels.quant_matmul.reference import TINY_SCALE, QuantizedWeight, pack_int4
+
+    if type_name not in QUANTIZED_BLOCK_TYPES:
+        return None
+    head = 4 if type_name == "Q4_1" else 2  # fp16 d (and m)
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, head + (GGUF_BLOCK if type_name == "Q8_0" else 16))
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    k = blocks.shape[1] * GGUF_BLOCK
+    if type_name == "Q8_0":
+        q = torch.from_numpy(blocks[..., head:].copy().view(np.int8)).reshape(rows, k)
+        return QuantizedWeight(8, q, d, None, GGUF_BLOCK, (rows, k))
+    nib = torch.from_numpy(blocks[..., head:].copy())  # [N, K/32, 16]
+    q = torch.cat((nib & 0xF, nib >> 4), dim=-1).reshape(rows, k)  # weights 0..15, then 16..31
+    if type_name == "Q4_0":
+        return QuantizedWeight(4, pack_int4(q), d, torch.full_like(d, Q4_0_ZERO), GGUF_BLOCK, (rows, k))
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    scale = torch.where(d == 0, torch.full_like(d, TINY_SCALE), d)  # d = 0: all weights equal m
+    return QuantizedWeight(4, pack_int4(q), scale, -m / scale, GGUF_BLOCK, (rows, k))
+
+
+def _unpermute_rows(qw, n_heads: int):
+    """`unpermute_qk` on a QuantizedWeight: the integers, scales and zeros of a row move together."""
+    from kernels.quant_matmul.reference import QuantizedWeight
+
+    def rows(t):
+        return None if t is None else torch.from_numpy(np.ascontiguousarray(unpermute_qk(t.numpy(), n_heads)))
+
+    return QuantizedWeight(qw.bits, rows(qw.qweight), rows(qw.scales), rows(qw.zeros), qw.group_size, qw.shape)
+
+
+def quantized_linear_weights(path_or_name: str | Path) -> dict:
+    """{"layers.3.self_attn.q_proj": QuantizedWeight, ...} for every decoder linear stored in Q8_0,
+    Q4_0 or Q4_1 in a GGUF file (or a packaged model), read straight from its blocks."""
+    path = packaged_gguf_path(str(path_or_name)) if str(path_or_name) in PACKAGED_MODELS else Path(path_or_name)
+    reader = open_gguf(path)
+    config = hf_config(read_fields(reader), {t.name for t in reader.tensors}, path)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out = {}
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or not t.name.endswith(".weight"):
+            continue
+        qw = quantized_blocks(t.data, t.tensor_type.name, t.data.shape[0])
+        if qw is None:
+            continue
+        kind = t.name.split(".")[2]
+        if kind in heads:
+            qw = _unpermute_rows(qw, heads[kind])
+        out[hf_tensor_name(t.name, path).removeprefix("model.").removesuffix(".weight")] = qw
+    return out
+
+
 # ---- tokenizer -------------------------------------------------------------------------------
 def _pre_tokenizer(kind: str, path):
     """How text is cut before BPE, as llama.cpp does for `tokenizer.ggml.pre`."""

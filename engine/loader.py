@@ -147,17 +147,35 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype = torch.float3
     return model.eval()
 
 
-def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, Tokenizer | None]:
+def _keep_gguf_blocks(model: LlamaModel, path_or_name, folder: Path) -> None:
+    from engine import gguf
+    from engine.quantization import use_quantized_weights
+
+    if not (folder / gguf.PROVENANCE_FILE).exists():
+        raise ValueError(f"quantization='gguf' needs a GGUF source (a *.gguf file or {sorted(gguf.PACKAGED_MODELS)}), "
+                         f"got {str(path_or_name)!r}")
+    use_quantized_weights(model, gguf.quantized_linear_weights(path_or_name))
+
+
+def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> tuple[LlamaModel, Tokenizer | None]:
     """Load `(model, tokenizer)` from a local Hugging Face-format folder, a bundled model name, a *.gguf
     file or a packaged GGUF model ("smollm2-135m-instruct": converted once into a cache folder).
 
+    quantization="gguf" (GGUF sources only) keeps the file's Q8_0/Q4_0/Q4_1 blocks of the decoder
+    linears as int8/int4 `QuantLinear`s (chapter 07) instead of their fp32 conversion.
     The tokenizer is None (with a warning) when the folder has no tokenizer.json.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    if quantization not in (None, "gguf"):
+        raise ValueError(f"quantization: {quantization!r} is not a load-time option; use None or 'gguf' "
+                         "(for other schemes call engine.quantization.quantize_model on the loaded model)")
     path = resolve_model_path(path_or_name)
     cfg = read_config(path)
     model = load_weights(path, cfg, dtype)
+    if quantization == "gguf":
+        _keep_gguf_blocks(model, path_or_name, path)
     if (path / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_dir(path, cfg)
     else:
