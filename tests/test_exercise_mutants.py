@@ -332,6 +332,71 @@ MUTANTS = [
        "lengths = sorted(output_lengths)", "static_idle_fraction_by_hand"),
     _m("ch05", "static_idle_fraction", "no check of the lengths", "if not lengths or min(lengths) < 1:",
        "if False:", "static_idle_fraction_by_hand"),
+    # ---- ch06: block hashes, the longest cached prefix, the bug zoo ------------------------------------
+    _m("ch06", "block_hash", "leaves the parent out (no chain)", "[parent, [int(t)", "[[int(t)",
+       "block_hash_matches_the_engine"),
+    _m("ch06", "block_hash", "leaves the extra keys out", ", list(extra_keys)]", "]",
+       "block_hash_matches_the_engine"),
+    _m("ch06", "block_hash", "json's default separators (other bytes, other hash)",
+       ', separators=(",", ":")', "", "block_hash_matches_the_engine"),
+    _m("ch06", "block_hash", "Python's salted hash() instead of sha256",
+       'return hashlib.sha256(payload.encode("utf-8")).hexdigest()',
+       'return format(hash(payload) & (2**64 - 1), "016x")', "block_hash_matches_the_engine"),
+    _m("ch06", "block_hashes", "each block hashed alone (no chain)", "parent = block_hash(parent,",
+       "parent = block_hash(None,", "block_hashes_chain_and_skip_the_partial_block"),
+    _m("ch06", "block_hashes", "hashes the partial last block too", "len(token_ids) // block_size)",
+       "-(-len(token_ids) // block_size))", "block_hashes_chain_and_skip_the_partial_block"),
+    _m("ch06", "block_hashes", "ignores start", "range(start, ", "range(0, ",
+       "block_hashes_continue_from_a_parent"),
+    _m("ch06", "block_hashes", "one block too few", "len(token_ids) // block_size)",
+       "len(token_ids) // block_size - 1)", "block_hashes_chain_and_skip_the_partial_block"),
+    _m("ch06", "find_cached_prefix", "skips a miss instead of stopping", "break  # the chain",
+       "continue  # the chain", "find_cached_prefix_stops_at_the_first_miss"),
+    _m("ch06", "find_cached_prefix", "ignores max_tokens", "token_ids[:max_tokens]", "token_ids",
+       "find_cached_prefix_respects_max_tokens"),
+    _m("ch06", "find_cached_prefix", "one token past max_tokens", "token_ids[:max_tokens]",
+       "token_ids[:max_tokens + 1]", "find_cached_prefix_respects_max_tokens"),
+    _m("ch06", "find_cached_prefix", "returns the hashes, not the blocks", "blocks.append(cached[h])",
+       "blocks.append(h)", "find_cached_prefix_stops_at_the_first_miss"),
+    _m("ch06", "cached_prefix_tokens", "the last token counted as cached", "min(shared_len, prompt_len - 1)",
+       "shared_len", "cached_prefix_tokens_by_hand"),
+    _m("ch06", "cached_prefix_tokens", "rounds up to whole blocks",
+       "min(shared_len, prompt_len - 1) // block_size * block_size",
+       "-(-min(shared_len, prompt_len - 1) // block_size) * block_size", "cached_prefix_tokens_by_hand"),
+    _m("ch06", "cached_prefix_tokens", "partial blocks counted", " // block_size * block_size", "",
+       "cached_prefix_tokens_by_hand"),
+    _m("ch06", "cached_prefix_tokens", "no check of the inputs",
+       "if prompt_len < 1 or not 0 <= shared_len <= prompt_len or block_size < 1:", "if False:",
+       "cached_prefix_tokens_by_hand"),
+    _m("ch06", "plan_prefill", "a fully cached prompt leaves nothing to compute (the stub's bug)",
+       "token_ids[:len(token_ids) - 1]", "token_ids",
+       "plan_prefill_recomputes_the_last_token_of_a_fully_cached_prompt"),
+    _m("ch06", "plan_prefill", "stops a whole block short", "token_ids[:len(token_ids) - 1]",
+       "token_ids[:len(token_ids) - block_size]", "plan_prefill_recomputes_the_last_token_of_a_fully_cached_prompt"),
+    _m("ch06", "plan_prefill", "skips a miss instead of stopping", "break", "continue",
+       "plan_prefill_shares_the_longest_cached_prefix"),
+    _m("ch06", "plan_prefill", "start counted in blocks, not tokens", "len(blocks) * block_size", "len(blocks)",
+       "plan_prefill_shares_the_longest_cached_prefix"),
+    _m("ch06", "allocate_block", "reuses a block with its old hash (the stub's bug)",
+       "    del block_of[hash_of.pop(block)]  # nobody may find the old contents once new tokens go in\n", "",
+       "allocate_block_drops_the_hash_before_reuse"),
+    _m("ch06", "allocate_block", "drops hash -> block but keeps block -> hash",
+       "del block_of[hash_of.pop(block)]", "del block_of[hash_of[block]]",
+       "allocate_block_drops_the_hash_before_reuse"),
+    _m("ch06", "allocate_block", "evicts the most recently used", "popitem(last=False)", "popitem(last=True)",
+       "allocate_block_takes_free_blocks_first_then_the_least_recently_used"),
+    _m("ch06", "allocate_block", "evicts a cached block while free ones are left", "if free:",
+       "if free and not evictor:", "allocate_block_takes_free_blocks_first_then_the_least_recently_used"),
+    _m("ch06", "request_cache_key", "every tenant's private scope is the same (the stub's bug)",
+       'f"tenant:{tenant}"', '"private"', "request_cache_key_keeps_tenants_apart"),
+    _m("ch06", "request_cache_key", "a tenant's opt-in to public ignored",
+       "if scope == PUBLIC_SCOPE or tenant is None:", "if tenant is None:", "request_cache_key_keeps_tenants_apart"),
+    _m("ch06", "request_cache_key", 'no tenant gives "tenant:None"', "if scope == PUBLIC_SCOPE or tenant is None:",
+       "if scope == PUBLIC_SCOPE:", "request_cache_key_matches_the_engine"),
+    _m("ch06", "request_cache_key", "drops the template version", 'return (model_id, template_version, f"tenant:',
+       'return (model_id, None, f"tenant:', "request_cache_key_matches_the_engine"),
+    _m("ch06", "request_cache_key", "private without a tenant allowed", 'if scope == "private" and tenant is None:',
+       "if False:", "request_cache_key_matches_the_engine"),
 ]
 
 
@@ -365,6 +430,26 @@ def test_the_named_check_fails_on_the_mutant(mutant):
     except Exception:  # noqa: BLE001 - any failure of the check counts as catching the mutant
         return
     pytest.fail(f"{mutant.id}: check {mutant.caught_by!r} passed on a solution that {mutant.mistake}")
+
+
+# The chapter 06 bug zoo: each stub holds working code with one planted bug behind a `raise
+# NotImplementedError(BUG_ZOO)` line. Once a student deletes that line, the bug must bite: these checks fail.
+BUG_ZOO_CHECKS = {"plan_prefill": "plan_prefill_recomputes_the_last_token_of_a_fully_cached_prompt",
+                  "allocate_block": "allocate_block_drops_the_hash_before_reuse",
+                  "request_cache_key": "request_cache_key_keeps_tenants_apart"}
+
+
+@pytest.mark.parametrize("function", BUG_ZOO_CHECKS)
+def test_each_bug_zoo_stub_fails_its_check_once_the_raise_is_deleted(function):
+    path = exercises.exercise_path("ch06")
+    raise_line = "    raise NotImplementedError(BUG_ZOO)\n"
+    source = path.read_text()
+    assert source.count(raise_line) == len(BUG_ZOO_CHECKS), "each bug zoo stub starts with the BUG_ZOO raise"
+    module = types.ModuleType("exercises.ch06_prefix_cache_unlocked")
+    exec(compile(source.replace(raise_line, ""), f"{path} (raise deleted)", "exec"), module.__dict__)  # noqa: S102
+    check = dict(exercises.load_checks("ch06"))[BUG_ZOO_CHECKS[function]]
+    with pytest.raises(AssertionError):
+        check(module)
 
 
 @pytest.mark.parametrize("chapter", exercises.list_chapters())
