@@ -42,12 +42,45 @@ def cmd_eval(args) -> None:
     from engine.lab.eval import evaluate_model
     from engine.loader import load_model
 
-    model, tok = load_model(args.model, dtype=DTYPES[args.dtype])
+    model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
+                            quantization="gguf" if args.quant == "gguf" else None)
+    bytes_line = _quantize_for_eval(model, tok, args)
     names = tuple(args.tasks.split(",")) if args.tasks else tasks.TASKS
     start = time.perf_counter()
     rows = evaluate_model(model, tok, names, n=args.n, window=args.window)
     print(tasks.format_table(rows))
     print(f"\n{args.model}: {args.n} examples per task in {time.perf_counter() - start:.0f} s")
+    print(bytes_line)
+
+
+# GPTQ calibrates on the training side of the task corpus (never the eval documents): 4 x 128 tokens
+EVAL_CALIBRATION = {"documents": 150, "batch_size": 4, "seq_len": 128, "batches": 2}
+
+
+def _quantize_for_eval(model, tok, args) -> str:
+    """Quantize ``model`` in place as ``--quant`` asks; returns a line with its weight bytes."""
+    import warnings
+
+    from engine.lab.tasks import training_corpus
+    from engine.quantization import calibration_batches, get_scheme, quantize_model, set_backend, weight_bytes_breakdown
+
+    before = sum(weight_bytes_breakdown(model).values())
+    if args.quant == "gguf":
+        set_backend(model, args.quant_backend)
+    elif args.quant is not None:
+        calibration = None
+        if get_scheme(args.quant).method == "gptq":
+            c = EVAL_CALIBRATION
+            ids = [i for text in training_corpus(n_examples=c["documents"]) for i in tok.encode(text)]
+            calibration = calibration_batches(ids, c["batch_size"], c["seq_len"])[: c["batches"]]
+        with warnings.catch_warnings():  # e.g. smaller groups where G does not divide K: said once, below
+            warnings.simplefilter("ignore", RuntimeWarning)
+            quantize_model(model, args.quant, calibration=calibration, backend=args.quant_backend)
+    parts = weight_bytes_breakdown(model)
+    detail = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items() if v)
+    scheme = args.quant or f"none ({args.dtype})"
+    return (f"weights: {sum(parts.values()) / 2**20:.2f} MiB with --quant {scheme} (MiB: {detail}); "
+            f"{before / 2**20:.2f} MiB as loaded")
 
 
 def cmd_demo(args) -> None:
@@ -72,9 +105,11 @@ def cmd_kv_size(args) -> None:
 def cmd_train(args) -> None:
     from pathlib import Path
 
-    from engine.lab.training import TrainConfig, train
+    from engine.lab.training import RECIPES, TrainConfig, train
 
-    cfg = TrainConfig(total_tokens=args.tokens, recall_drills=args.recall_drills)
+    flags = {"total_tokens": args.tokens, "recall_drills": args.recall_drills, "lr": args.lr,
+             "tokenizer_path": args.tokenizer, "probe_every": args.probe_every}
+    cfg = TrainConfig(**{**RECIPES[args.recipe], **{k: v for k, v in flags.items() if v is not None}})
     resume = Path(args.resume_from) if args.resume_from else None
     log = train(cfg, Path(args.out), resume_from=resume, start_step=args.start_step)
     print(f"trained in {log['train_seconds']:.0f} s; final loss {log['loss'][-1]:.3f}; saved to {args.out}")
@@ -136,6 +171,12 @@ def cmd_chat(args) -> None:
               f"{r['finish_reason']}]", flush=True)
 
 
+def _quant_schemes() -> list[str]:
+    from engine.quantization import SCHEMES
+
+    return list(SCHEMES)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine", description="servelab: a step-through LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -158,6 +199,10 @@ def main(argv=None) -> None:
     e.add_argument("--tasks", default=None, help="comma-separated subset of arith,recall,json,refuse,story")
     e.add_argument("--n", type=int, default=100)
     e.add_argument("--window", type=int, default=None, help="sliding-window KV cache of this many tokens")
+    e.add_argument("--quant", default=None, choices=[*_quant_schemes(), "gguf"],
+                   help="quantize the decoder linears first (chapter 07); gguf: keep a GGUF model's own blocks")
+    e.add_argument("--quant-backend", default="torch", choices=["torch", "packed", "triton", "cuda"],
+                   help="the quantized matmul kernel (packed: torch's int8/int4 CPU ops, bf16 inside)")
     e.set_defaults(func=cmd_eval)
     d = sub.add_parser("demo", help="the classroom demo on the bundled model")
     d.add_argument("--model", default="tinylab")
@@ -172,8 +217,13 @@ def main(argv=None) -> None:
     k.set_defaults(func=cmd_kv_size)
     t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
-    t.add_argument("--tokens", type=int, default=9_000_000)
-    t.add_argument("--recall-drills", type=int, default=6, help="extra lookups per recall document")
+    t.add_argument("--recipe", default="first", choices=["first", "lookup"],
+                   help="first: the first tinylab's recipe; lookup: the lookup curriculum (engine/lab/training.py)")
+    t.add_argument("--tokens", type=int, default=None, help="training tokens (default: the recipe's)")
+    t.add_argument("--recall-drills", type=int, default=None, help="extra lookups per recall document")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
+    t.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+    t.add_argument("--probe-every", type=int, default=None, help="probe recall/arith/json every N steps")
     t.add_argument("--resume-from", default=None, help="continue from a folder this command saved")
     t.add_argument("--start-step", type=int, default=0, help="the step that folder was saved at")
     t.set_defaults(func=cmd_train)
