@@ -30,7 +30,7 @@ from engine.config import ModelConfig
 
 # Bytes per element for the dtypes a serving stack meets. int4 packs two values in a byte.
 # (Quantized formats also carry scales and zero points; we leave those out: they add a few
-# percent and depend on the group size, see chapter 07.)
+# percent and depend on the group size, see engine/quantization.py's weight_bytes_breakdown.)
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
 
 # Other spellings people (and torch, and engine/config.py) use for the same dtypes.
@@ -209,7 +209,7 @@ def plan_memory(config: ModelConfig, gpu_bytes: int, weight_dtype, kv_dtype,
             f"{config.name or 'this model'}: the weights alone need {weights / GB:.1f} GB in {weight_dtype}, but a "
             f"{gpu_bytes / GB:.0f} GB card leaves {(gpu_bytes - reserve) / GB:.1f} GB after the "
             f"{reserve_fraction:.0%} activation reserve; use a larger card, a smaller weight dtype "
-            f"(chapter 07) or split the model over several cards (chapter 08)")
+            f"(int8 or int4 weights) or split the model over several cards (tensor parallelism)")
     return MemoryPlan(gpu_bytes, weights, reserve, kv_budget, kv_bytes_per_token(config, kv_dtype))
 
 
