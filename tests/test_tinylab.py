@@ -11,8 +11,18 @@ from engine import load_model
 from engine.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.lab.eval import evaluate_model
-from engine.lab.training import (EOS, TrainConfig, batches, documents, encode_example, teacher_forced_exact,
-                                 train)
+from engine.lab.training import (
+    EOS,
+    KeepOneHead,
+    TrainConfig,
+    batches,
+    copy_pointers,
+    documents,
+    encode_example,
+    pointer_loss,
+    teacher_forced_exact,
+    train,
+)
 from engine.loader import bundled_model_path
 from engine.naive import full_logits, generate_naive
 from engine.sampling import SamplingParams
@@ -83,14 +93,14 @@ def test_context_stages_keep_the_tokens_per_step_and_rows_hold_whole_documents()
     tok = _tokenizer()
     cfg = TrainConfig(batch_rows=2, context_tokens=512, context_stages=((2, 128),), curriculum_steps=2,
                       recall_questions=4)
-    shapes = [ids.shape for ids, _ in (b for b, _ in zip(batches(tok, cfg, seed=0), range(4), strict=False))]
+    shapes = [ids.shape for ids, *_ in (b for b, _ in zip(batches(tok, cfg, seed=0), range(4), strict=False))]
     assert shapes == [(8, 128), (8, 128), (2, 512), (2, 512)]
 
 
 def test_curriculum_drills_are_short_and_ask_many_questions():
     tok = _tokenizer()
     cfg = TrainConfig(curriculum_steps=100, curriculum_facts=(4, 40), drill_questions=16)
-    recall_docs = [tok.decode(ids) for ids, _ in (d for d, _ in zip(documents(tok, cfg, 0, [0]), range(200),
+    recall_docs = [tok.decode(ids) for ids, *_ in (d for d, _ in zip(documents(tok, cfg, 0, [0]), range(200),
                                                                     strict=False)) if "Facts:" in tok.decode(ids)]
     assert recall_docs
     for doc in recall_docs:
@@ -105,3 +115,31 @@ def test_the_probe_says_what_greedy_decoding_would_write():
     params = SamplingParams(temperature=0.0, max_tokens=8)
     greedy = [generate_cached(model, tok, ex.prompt, params).text == ex.target for ex in examples]
     assert hits == greedy and 0 < sum(hits)
+
+
+def test_copy_pointers_point_every_answer_digit_at_the_same_digit_of_its_fact():
+    tok = _tokenizer()
+    ex = tasks.Example("recall", "Facts: zor=417; bim=82; Question: bim? Answer:", " 82")
+    ids, w = encode_example(tok, ex, 0.0, follow_ups=[(" Question: zor? Answer:", " 417"), (" Again: zor=", "417;")])
+    toks = [tok.id_to_token(i) for i in ids]
+    pairs = [(toks[t + 1], toks[src], "".join(toks[src - 3:src])) for t, src in enumerate(copy_pointers(tok, ids, w))
+             if src >= 0]
+    # each pair: (the digit the position predicts, the digit pointed at, what stands before it in the facts)
+    assert [(a, b) for a, b, _ in pairs] == [(d, d) for d in "82417417"]
+    assert all(src < toks.index("ĠQuestion") for src in (t for t in copy_pointers(tok, ids, w) if t >= 0))
+    assert [ctx.endswith("=") or ctx[-1].isdigit() for _, _, ctx in pairs] == [True] * 8
+
+
+def test_pointer_loss_is_the_log_of_the_visible_positions_when_attention_is_uniform():
+    kept = KeepOneHead(layer=0, head=0)
+    T, D = 6, 4
+    kept.q, kept.k = torch.zeros(1, T, D), torch.randn(1, T, D)  # q = 0: every visible key scores the same
+    pointers = torch.full((1, T), -1)
+    pointers[0, 2], pointers[0, 4] = 1, 0  # positions 2 and 4 should look at 1 and 0
+    expected = (torch.log(torch.tensor(3.0)) + torch.log(torch.tensor(5.0))) / 2  # 3 and 5 visible positions
+    assert torch.allclose(pointer_loss(kept, pointers), expected)
+    kept.q = torch.zeros(1, T, D)
+    kept.k = torch.zeros(1, T, D)
+    kept.q[0, 2, 0] = kept.q[0, 4, 1] = 50.0
+    kept.k[0, 1, 0] = kept.k[0, 0, 1] = 1.0  # each query now scores its own target far above the rest
+    assert pointer_loss(kept, pointers) < 1e-3

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from engine.config import ModelConfig
 from engine.lab import tasks
 from engine.loader import hf_weight_names
-from engine.model import LlamaModel
+from engine.model import LlamaModel, NoCacheAttention
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 TOKENIZER_TRAINING_DOCS = 20_000  # enough text for BPE merges to settle on a ~1k vocabulary
@@ -65,9 +65,13 @@ class TrainConfig:
     curriculum_steps: int = 0  # for this many steps recall documents are replaced by short drills
     curriculum_facts: tuple = (4, 40)  # facts per drill: up to the first number at step 0, the second at the end
     drill_questions: int = 16  # questions per drill (at most one per fact)
+    drill_multiplier: float = 1.0  # during the curriculum a recall example becomes this many times its length in drills
     repeat_share: float = 0.0  # share of drills that repeat their facts in a new order instead (`repeated_facts`)
     repeat_in_order: bool = False  # repeat a run of the facts in order, keys in the loss too (`repeated_run`)
     context_stages: tuple = ()  # ((until_step, T), ...): rows of T tokens before until_step, same tokens per step
+    pointer_loss_weight: float = 0.0  # > 0: also teach one head where each answer digit is (see `pointer_loss`)
+    pointer_layer: int = -1  # the layer of that head (-1: the last)
+    pointer_head: int = 0  # the query head that learns to point
     probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
     probe_n: int = 64  # probe examples per task
     tokenizer_path: str | None = None  # reuse this tokenizer.json (token ids stay comparable) instead of training one
@@ -88,6 +92,19 @@ class TrainConfig:
             max_position_embeddings=self.context_tokens, rope_theta=self.rope_theta,
             tie_word_embeddings=True, bos_token_id=tok.token_to_id(BOS),
             eos_token_id=tok.token_to_id(EOS), pad_token_id=tok.token_to_id(PAD))
+
+
+# Named recipes for `python -m engine train-tinylab --recipe NAME` (fields of TrainConfig).
+RECIPES = {
+    "first": {},  # the first tinylab (one question per recall document)
+    "lookup": dict(  # the lookup curriculum of issue 11 (see the model card for what it was measured to do)
+        bf16_autocast=False, batch_rows=4, total_tokens=2_867_200, warmup_steps=30, decay_steps=300, lr=1.5e-3,
+        pointer_loss_weight=1.0, curriculum_steps=600, curriculum_facts=(8, 40), drill_multiplier=3.0,
+        drill_questions=16, repeat_share=0.3, context_stages=((600, 256),), recall_questions=8, probe_every=100,
+        probe_n=48,
+        checkpoint_every_steps=50,
+        mix={"arith": 0.25, "recall": 0.5, "json": 0.12, "refuse": 0.03, "story": 0.10}),
+}
 
 
 def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
@@ -162,10 +179,15 @@ def with_follow_ups(tok: Tokenizer, ids: list[int], weights: list[float], follow
 PACK_LOOKAHEAD = 32  # documents we look ahead to fill a row's tail (first fit): less padding
 
 
+CURRICULUM_HOLD = 0.5  # drills stay at their fewest facts for this share of the curriculum (the circuit forms there)
+
+
 def drill_facts(step: int, cfg: TrainConfig) -> int:
-    """The most facts a curriculum drill may have at `step`: grows linearly over the curriculum."""
+    """The most facts a curriculum drill may have at `step`: held at the first number of
+    `curriculum_facts` for the first CURRICULUM_HOLD of the curriculum, then growing linearly."""
     lo, hi = cfg.curriculum_facts
-    return round(lo + (hi - lo) * min(1.0, step / max(1, cfg.curriculum_steps)))
+    progress = step / max(1, cfg.curriculum_steps)
+    return round(lo + (hi - lo) * min(1.0, max(0.0, (progress - CURRICULUM_HOLD) / (1 - CURRICULUM_HOLD))))
 
 
 def fit(tok: Tokenizer, ex: tasks.Example, follow_ups: list, cfg: TrainConfig, T: int):
@@ -194,7 +216,7 @@ def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg:
         doc = fit(tok, ex, tasks.follow_up_questions(ex, rng, cfg.recall_questions - 1), cfg, T)
         return [doc] if doc else []
     docs, chars = [], 0
-    while chars < len(ex.text):
+    while chars < len(ex.text) * cfg.drill_multiplier:
         drill = tasks.lookup_drill(rng, rng.randint(2, max(2, drill_facts(step, cfg))))
         again = rng.random() < cfg.repeat_share
         repeat = tasks.repeated_run if cfg.repeat_in_order else tasks.repeated_facts
@@ -213,9 +235,43 @@ def documents(tok: Tokenizer, cfg: TrainConfig, seed: int, clock: list[int]):
     rng = random.Random(seed)
     for ex in tasks.training_examples(seed=seed, mix=cfg.mix):
         if ex.task == "recall":
-            yield from recall_documents(tok, ex, rng, cfg, clock[0], context_at(clock[0], cfg))
+            for ids, weights in recall_documents(tok, ex, rng, cfg, clock[0], context_at(clock[0], cfg)):
+                yield ids, weights, copy_pointers(tok, ids, weights)
         else:
-            yield encode_example(tok, ex, cfg.prompt_loss_weight)
+            ids, weights = encode_example(tok, ex, cfg.prompt_loss_weight)
+            yield ids, weights, [-1] * len(ids)
+
+
+def copy_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[int]:
+    """For each position that predicts a supervised answer digit, where that digit sits in the facts
+    (-1 elsewhere): the attention target of `pointer_loss`.
+
+        Facts: zor=417; bim=82; Question: zor? Answer: 417
+                   ^^^                              ^^^ position t predicts this digit: pointers[t - 1] = source
+
+    We read the token strings: a key is what stands between a boundary (`:` or `;`) and `=` or `?`;
+    its first `=` defines where its value's digits are, later `=` or `?` ask for them."""
+    toks = [tok.id_to_token(i) for i in ids]
+    where: dict[tuple, list[int]] = {}
+    pointers, key, current, digit, defining = [-1] * len(ids), (), [], 0, False
+    for t, s in enumerate(toks):
+        if s.isdigit() and key:
+            if defining:
+                where[key].append(t)
+            elif key in where and digit < len(where[key]) and weights[t] > 0:
+                pointers[t - 1] = where[key][digit]
+            digit += 1
+        elif s in ("=", "?"):
+            key, current, digit = tuple(current), [], 0
+            defining = s == "=" and key not in where
+            if defining:
+                where[key] = []
+        elif s in (";", ":"):
+            current, defining = [], False
+            key = () if s == ";" else key
+        else:
+            current.append(s)
+    return pointers
 
 
 def context_at(step: int, cfg: TrainConfig) -> int:
@@ -226,33 +282,38 @@ def context_at(step: int, cfg: TrainConfig) -> int:
     return cfg.context_tokens
 
 
-def pack_row(pending: list, source, T: int, pad: int) -> tuple[list[int], list[float]]:
+def pack_row(pending: list, source, T: int, pad: int) -> tuple[list[int], list[float], list[int]]:
     """One row of exactly T tokens: whole documents, first fit from the oldest pending one, padded.
     Documents longer than T (possible while rows are short) are dropped."""
     while len(pending) < PACK_LOOKAHEAD:
         pending.append(next(source))
     ids: list[int] = []
     weights: list[float] = []
+    pointers: list[int] = []
     keep = []
-    for doc_ids, doc_w in pending:
+    for doc in pending:
+        doc_ids, doc_w, doc_p = doc
         if len(doc_ids) > T:
             continue
         if len(ids) + len(doc_ids) <= T:
+            pointers += [p + len(ids) if p >= 0 else -1 for p in doc_p]  # row positions, not document ones
             ids, weights = ids + doc_ids, weights + doc_w
         else:
-            keep.append((doc_ids, doc_w))
+            keep.append(doc)
     pending[:] = keep
-    return ids + [pad] * (T - len(ids)), weights + [0.0] * (T - len(ids))
+    n_pad = T - len(ids)
+    return ids + [pad] * n_pad, weights + [0.0] * n_pad, pointers + [-1] * n_pad
 
 
 def batches(tok: Tokenizer, cfg: TrainConfig, seed: int, start_step: int = 0):
-    """Yield (input_ids [B, T], weights [B, T]) tensors forever; B * T = batch_rows * context_tokens."""
+    """Yield (input_ids [B, T], weights [B, T], pointers [B, T]) tensors forever (see `copy_pointers`);
+    B * T = batch_rows * context_tokens."""
     clock = [start_step]
     source, pending, pad = documents(tok, cfg, seed, clock), [], tok.token_to_id(PAD)
     while True:
         T = context_at(clock[0], cfg)
         chunk = [pack_row(pending, source, T, pad) for _ in range(cfg.batch_rows * cfg.context_tokens // T)]
-        yield (torch.tensor([c[0] for c in chunk]), torch.tensor([c[1] for c in chunk]))
+        yield tuple(torch.tensor([c[i] for c in chunk]) for i in range(3))
         clock[0] += 1
 
 
@@ -267,12 +328,41 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * cosine)
 
 
-def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
+                  backend: NoCacheAttention | None = None) -> torch.Tensor:
     """Next-token cross-entropy; position t predicts token t+1 and counts with token t+1's weight."""
-    logits = model(ids[:, :-1])  # [B, T-1, V]
+    logits = model(ids[:, :-1], backend=backend)  # [B, T-1, V]
     nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
     w = weights[:, 1:].flatten()
     return (nll * w).sum() / w.sum().clamp(min=1.0)
+
+
+class KeepOneHead(NoCacheAttention):
+    """Causal attention as usual, but keep one head's q and k (after RoPE) of one layer for `pointer_loss`."""
+
+    def __init__(self, layer: int, head: int):
+        super().__init__(None)
+        self.layer, self.head, self.q, self.k = layer, head, None, None
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta=None) -> torch.Tensor:
+        if layer == self.layer:  # q [B, T, H, D], k [B, T, Hkv, D]
+            self.q, self.k = q[:, :, self.head], k[:, :, self.head // (q.shape[2] // k.shape[2])]  # [B, T, D]
+        return super().forward(layer, q, k, v, meta)
+
+
+def pointer_loss(kept: KeepOneHead, pointers: torch.Tensor) -> torch.Tensor:
+    """-log (attention of the kept head from each answer position to the fact digit it must copy).
+
+    Content lookup forms late and suddenly when only the answer is supervised: attention has to find
+    the fact before the answer loss can say anything about it. Telling one head where to look gives
+    that search a gradient from the first step (supervised attention); the model stays a plain Llama."""
+    b, t = (pointers[:, :-1] >= 0).nonzero(as_tuple=True)  # the N positions that predict an answer digit
+    if b.numel() == 0:
+        return torch.zeros(())
+    q, k = kept.q[b, t], kept.k[b]  # [N, D], [N, T, D]
+    scores = (k @ q[:, :, None]).squeeze(-1) / math.sqrt(q.shape[-1])  # [N, T]
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > t[:, None], float("-inf"))  # causal
+    return -scores.float().log_softmax(-1)[torch.arange(b.numel()), pointers[b, t]].mean()
 
 
 def start_model(cfg: TrainConfig, resume_from: Path | None) -> tuple[LlamaModel, Tokenizer]:
@@ -316,13 +406,17 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     log["probe"] = []
     bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
                initial=start_step, total=cfg.steps, disable=not progress, desc="training tinylab")
-    for step, (ids, weights) in bar:
+    kept = KeepOneHead(cfg.pointer_layer % model.config.num_hidden_layers, cfg.pointer_head)
+    log["pointer_loss"] = []
+    for step, (ids, weights, pointers) in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-            loss = weighted_loss(model, ids, weights)
+            loss = weighted_loss(model, ids, weights, kept)
+            aux = pointer_loss(kept, pointers) if cfg.pointer_loss_weight else torch.zeros(())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + cfg.pointer_loss_weight * aux).backward()
+        log["pointer_loss"].append(round(aux.item(), 4))
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         elapsed = time.perf_counter() - start
@@ -344,11 +438,15 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
 PROBE_SEED = tasks.EVAL_SEED_BASE + 11  # eval-side documents, but not the ones `eval` scores
 PROBE_TASKS = ("recall", "arith", "json")
 LONG_RECALL_TOKENS = 256  # the probe also reports recall on prompts at least this long
+SHORT_PROBE_FACTS = 6  # ... and on short prompts of this many facts, where the lookup shows first
 
 
 def probe_examples(n: int) -> dict[str, list[tasks.Example]]:
     """The fixed probe: `n` held-out examples of each task in PROBE_TASKS."""
-    return {task: tasks.eval_examples(task, n, seed=PROBE_SEED) for task in PROBE_TASKS}
+    probe_set = {task: tasks.eval_examples(task, n, seed=PROBE_SEED) for task in PROBE_TASKS}
+    probe_set[f"recall_{SHORT_PROBE_FACTS}facts"] = tasks.eval_examples("recall", n, seed=PROBE_SEED,
+                                                                         n_facts=SHORT_PROBE_FACTS)
+    return probe_set
 
 
 @torch.no_grad()
@@ -374,7 +472,7 @@ def probe(model: LlamaModel, tok: Tokenizer, probe_set: dict[str, list[tasks.Exa
     for task, examples in probe_set.items():
         hits = teacher_forced_exact(model, tok, examples)
         out[task] = round(sum(hits) / len(hits), 3)
-        if task == "recall":
+        if task == "recall":  # the length-mixed probe
             long = [h for h, ex in zip(hits, examples, strict=True) if ex.meta["context_tokens"] >= LONG_RECALL_TOKENS]
             out["recall_long"] = round(sum(long) / max(1, len(long)), 3)
     model.train()
