@@ -39,7 +39,8 @@ The events (small dicts, `type` first):
                           and are not prefilled (0: a miss). Again after a recompute preemption.
     {"type": "forked",    "request_id", "parent"}      sample i of an n > 1 request, on sample 0's blocks
     {"type": "aborted",   "request_id", "time"}
-    {"type": "finished",  "request_id", "reason": "stop" | "length"}
+    {"type": "finished",  "request_id", "reason": "stop" | "length" | "error", "error"?}   "error": the
+                          step that ran it raised; its blocks were freed and the engine went on
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class QueueSnapshot:
     running: list[str] = field(default_factory=list)  # admitted (holding KV blocks)
     swapped: list[str] = field(default_factory=list)  # preempted by swap: their KV waits in the CPU pool
     preempted: list[str] = field(default_factory=list)  # of waiting + swapped: those that were preempted
-    finished: dict[str, str] = field(default_factory=dict)  # in this step: id -> "stop"/"length"/"abort"
+    finished: dict[str, str] = field(default_factory=dict)  # in this step: id -> "stop"/"length"/"abort"/"error"
 
 
 @dataclass

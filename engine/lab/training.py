@@ -98,7 +98,7 @@ class TrainConfig:
 RECIPES = {
     "first": {},  # the first tinylab (one question per recall document)
     "lookup": dict(  # the lookup curriculum of issue 11 (see the model card for what it was measured to do)
-        bf16_autocast=False, batch_rows=4, total_tokens=2_867_200, warmup_steps=30, decay_steps=300, lr=1.5e-3,
+        bf16_autocast=False, batch_rows=4, total_tokens=4_505_600, warmup_steps=30, decay_steps=300, lr=1.5e-3,
         pointer_loss_weight=1.0, curriculum_steps=600, curriculum_facts=(8, 40), drill_multiplier=3.0,
         drill_questions=16, repeat_share=0.3, context_stages=((600, 256),), recall_questions=8, probe_every=100,
         probe_n=48,
