@@ -78,6 +78,7 @@ class TrainConfig:
     bf16_autocast: bool = True
     seed: int = 0
     checkpoint_every_steps: int = 200  # save the folder now and then, so a stopped run still leaves a model
+    max_minutes: float = 0.0  # > 0: stop (and save) after about this many minutes; resume with --start-step
     mix: dict = field(default_factory=lambda: dict(tasks.DEFAULT_MIX))
 
     @property
@@ -98,7 +99,7 @@ class TrainConfig:
 RECIPES = {
     "first": {},  # the first tinylab (one question per recall document)
     "lookup": dict(  # the lookup curriculum of issue 11 (see the model card for what it was measured to do)
-        bf16_autocast=False, batch_rows=4, total_tokens=4_505_600, warmup_steps=30, decay_steps=300, lr=1.5e-3,
+        bf16_autocast=False, batch_rows=4, total_tokens=4_096_000, warmup_steps=30, decay_steps=300, lr=1.5e-3,
         pointer_loss_weight=1.0, curriculum_steps=600, curriculum_facts=(8, 40), drill_multiplier=3.0,
         drill_questions=16, repeat_share=0.3, context_stages=((600, 256),), recall_questions=8, probe_every=100,
         probe_n=48,
@@ -388,17 +389,13 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     """Train tinylab and save it to `out_dir`; returns the training log.
 
     `resume_from` + `start_step` continue an interrupted run from a saved folder: the weights are
-    reloaded, the learning-rate schedule continues at `start_step` (the optimizer state is not saved,
-    so AdamW restarts its moment estimates), and the data stream uses a new seed."""
+    reloaded, the learning-rate schedule continues at `start_step`, AdamW's moments are reloaded
+    when the folder has them (OPTIMIZER_FILE, else they restart), and the data stream uses a new seed."""
     torch.manual_seed(cfg.seed + start_step)
     model, tok = start_model(cfg, resume_from)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": []}
+    opt = make_optimizer(model, cfg, resume_from)
+    log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": [], "resumed_from_step": start_step}
     start = time.perf_counter()
-    log["resumed_from_step"] = start_step
     previous = Path(resume_from or "", "training_log.json")
     if resume_from is not None and previous.exists():  # keep the earlier parts' logs (the curve spans them)
         log["previous"] = json.loads(previous.read_text())
@@ -430,9 +427,27 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
             print("probe", json.dumps(log["probe"][-1]), flush=True)
         if (step + 1) % cfg.checkpoint_every_steps == 0:
             save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1)))
+            torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
+        if cfg.max_minutes and elapsed > 60 * cfg.max_minutes:
+            break
     log["train_seconds"] = round(time.perf_counter() - start, 1)
     save_hf_folder(model, tok, out_dir, log)
+    torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
     return log
+
+
+OPTIMIZER_FILE = "optimizer.pt"  # AdamW's state, next to a checkpoint (not part of the published model)
+
+
+def make_optimizer(model: LlamaModel, cfg: TrainConfig, resume_from: Path | None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; its state is reloaded from `resume_from` if saved there."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    if resume_from is not None and (Path(resume_from) / OPTIMIZER_FILE).exists():
+        opt.load_state_dict(torch.load(Path(resume_from) / OPTIMIZER_FILE))
+    return opt
 
 
 PROBE_SEED = tasks.EVAL_SEED_BASE + 11  # eval-side documents, but not the ones `eval` scores
