@@ -8,7 +8,7 @@ DEV := $(VENV)/.dev-installed
 WORKERS ?= 2
 # A notebook cell that runs longer than this fails and names itself (a hang shows where it is); every test,
 # notebooks included, also has pytest-timeout's limit (pyproject.toml), which prints every thread's stack.
-CELL_TIMEOUT_S ?= 240
+CELL_TIMEOUT_S ?= 150
 
 .PHONY: demo test lab bench lint clean
 
