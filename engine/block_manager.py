@@ -53,6 +53,31 @@ recently used cached block only when there are none, dropping its hash before th
     free but cached 0          yes    the evictor (LRU first)   <- a hit revives it, no copy
     free            0          no     the free list
 
+Sliding window (Mistral, ``sliding_window = W``): a query at position p reads only positions
+p - W + 1 .. p, so a block whose last position is before the window of every FUTURE query is dead.
+``free_out_of_window`` gives such blocks back (to the free list, or to the evictor when cached) and
+leaves ``NULL_BLOCK`` in their table entries, so positions keep their logical blocks::
+
+    W = 6, BS = 4, next query at position 14 (it reads 9..14)
+    block table  [3, 8, 5, 9]  ->  [-1, -1, 5, 9]     blocks 3 and 8 (positions 0..7) go back
+
+A long sequence then holds about ceil(W / BS) + 1 blocks, however long it grows.
+
+Host tier (``num_host_blocks``, needs the prefix cache): a second, larger and slower pool for
+free-but-cached blocks. When the device must evict one, its K/V is first copied to the host tier
+under the same hash ("offload"), instead of being lost; a later request whose prefix misses on the
+device but hits on the host gets a fresh device block with the K/V copied back ("reload"), instead
+of prefilling it again. The host tier is itself an LRU cache: when it is full, its least recently
+used block is dropped for good::
+
+    device:  used | free | free-but-cached --evict--> offload to host --hit--> reload to device
+    host:    free | cached (LRU)                                 (dropped when the host is full)
+
+Every block copy any method decides (swap out/in, copy-on-write, offload, reload) is also recorded,
+in decision order, as a ``BlockMove``; ``take_moves`` hands them to the KV pool, which must do them
+in that order before the next forward (a block can be read by one move and overwritten by a later one
+within the same step, so the order matters).
+
 This module is pure bookkeeping: it never touches a tensor. The KV pools live in
 ``engine/kv_pool.py``, and the attention kernels that read through the tables in
 ``kernels/paged_attention``.
@@ -61,9 +86,11 @@ This module is pure bookkeeping: it never touches a tensor. The KV pools live in
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.prefix_cache import PrefixCache, block_hashes
+from kernels.paged_attention.reference import NULL_BLOCK
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -92,11 +119,13 @@ class BlockAllocator:
     block only when there is none; ``num_available`` counts both kinds.
     """
 
-    def __init__(self, num_blocks: int, cache: PrefixCache | None = None):
+    def __init__(self, num_blocks: int, cache: PrefixCache | None = None,
+                 on_evict: Callable[[int, str], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.cache = cache
+        self.on_evict = on_evict  # called with (block, its hash) before an evicted block is reused
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount = [0] * num_blocks
 
@@ -128,7 +157,9 @@ class BlockAllocator:
         if self._free:
             block = self._free.popleft()
         elif self.num_cached:
-            block = self.cache.evict()  # its hash is gone before anyone writes into it
+            block, h = self.cache.evict_with_hash()  # its hash is gone before anyone writes into it
+            if self.on_evict is not None:
+                self.on_evict(block, h)
         else:
             raise NoFreeBlocksError(needed=1, free=0)
         self._refcount[block] = 1
@@ -195,6 +226,34 @@ class AppendResult:
 
 
 @dataclass(frozen=True)
+class HostBlock:
+    """A prefix-cache hit found in the host tier (``kv_offload_blocks``): block ``id`` of the host pool.
+    ``allocate`` copies it back into a fresh device block (a "reload" move)."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class BlockMove:
+    """One block copy the KV pool must do before the next forward, in the order the manager decided.
+
+    kind      from          to
+    swap_out  device        swap pool     (a preempted sequence's block)
+    swap_in   swap pool     device
+    copy      device        device        (copy-on-write of a shared last block)
+    offload   device        host tier     (an evicted prefix-cache block keeps its K/V in host memory)
+    reload    host tier     device        (a prefix-cache hit in host memory)
+    """
+
+    kind: str
+    src: int
+    dst: int
+
+
+MOVE_KINDS = ("swap_out", "swap_in", "copy", "offload", "reload")
+
+
+@dataclass(frozen=True)
 class BlockUsage:
     """A snapshot of the pool, in blocks and in token slots (shared blocks counted once).
 
@@ -242,9 +301,14 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, sliding_window: int | None = None,
+                 num_host_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or None (no window), got {sliding_window!r}")
+        self.sliding_window = sliding_window
         if num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0 (0: no swap pool), got {num_swap_blocks}")
         self.block_size = block_size
@@ -254,6 +318,16 @@ class BlockManager:
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, self.prefix_cache)
         self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
+        if num_host_blocks < 0 or (num_host_blocks and not enable_prefix_caching):
+            raise ValueError(f"num_host_blocks must be >= 0, and > 0 only with enable_prefix_caching=True (the host "
+                             f"tier keeps evicted prefix-cache blocks), got {num_host_blocks}")
+        # The host tier: an LRU prefix cache of its own, every block free but cached (refcount 0).
+        self.host_cache = PrefixCache() if num_host_blocks else None
+        self.host_allocator = BlockAllocator(num_host_blocks, self.host_cache) if num_host_blocks else None
+        if self.host_allocator is not None:
+            self.allocator.on_evict = self._offload
+        self._moves: list[BlockMove] = []  # decided copies not yet taken by the KV pool, in order
+        self.num_offloaded = self.num_reloaded = 0  # blocks, since the start
         self._seqs: dict[int, _Sequence] = {}  # on the device
         self._swapped: dict[int, _Sequence] = {}  # in the CPU swap pool: tables of CPU block ids
 
@@ -277,12 +351,13 @@ class BlockManager:
 
     def can_swap_out(self, seq_id: int) -> bool:
         free = self.swap_allocator.num_free if self.swap_allocator else 0
-        return len(self._get(seq_id).block_table) <= free
+        return len(_held(self._get(seq_id).block_table)) <= free
 
     def can_swap_in(self, seq_id: int, num_new_tokens: int = 0) -> bool:
         """Do its blocks, plus room for ``num_new_tokens`` more tokens, fit in the device pool?"""
         seq = self._get_swapped(seq_id)
-        return self.blocks_for(seq.num_tokens + num_new_tokens) <= self.allocator.num_available
+        grow = self.blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
+        return len(_held(seq.block_table)) + grow <= self.allocator.num_available
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
@@ -297,7 +372,12 @@ class BlockManager:
         return self._blocks_needed_to_append(self._get(seq_id), num_new_tokens) <= self.allocator.num_available
 
     def block_table(self, seq_id: int) -> list[int]:
+        """Physical block of each logical block, in token order (``NULL_BLOCK``: freed by the window)."""
         return list(self._get(seq_id).block_table)
+
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Device blocks the sequence holds (its table without the ``NULL_BLOCK`` entries)."""
+        return len(_held(self._get(seq_id).block_table))
 
     def num_tokens(self, seq_id: int) -> int:
         return self._get(seq_id).num_tokens
@@ -313,6 +393,9 @@ class BlockManager:
                     "append_slots first"
                 )
             block = seq.block_table[pos // self.block_size]
+            if block == NULL_BLOCK:
+                raise ValueError(f"position {pos} of sequence {seq_id} fell out of the sliding window "
+                                 f"(W = {self.sliding_window}): its block was freed")
             slots.append(block * self.block_size + pos % self.block_size)
         return slots
 
@@ -331,9 +414,15 @@ class BlockManager:
         needed = self._blocks_needed_to_allocate(num_tokens, cached_blocks)
         if needed > self.allocator.num_available:
             raise NoFreeBlocksError(needed=needed, free=self.allocator.num_available)
-        for block in cached_blocks:
+        on_device = [b for b in cached_blocks if not isinstance(b, HostBlock)]
+        on_host = [b.id for b in cached_blocks if isinstance(b, HostBlock)]
+        for block in on_device:
             self.allocator.incref(block)
-        blocks = list(cached_blocks) + self.allocator.allocate_many(self.blocks_for(num_tokens) - len(cached_blocks))
+        for block in on_host:  # pinned while we allocate: an offload must not evict what we reload
+            self.host_allocator.incref(block)
+        fresh = iter(self.allocator.allocate_many(self.blocks_for(num_tokens) - len(on_device)))
+        blocks = [b if not isinstance(b, HostBlock) else self._reload(b.id, next(fresh)) for b in cached_blocks]
+        blocks += list(fresh)
         self._seqs[seq_id] = _Sequence(block_table=blocks, num_tokens=num_tokens)
         return list(blocks)
 
@@ -356,6 +445,7 @@ class BlockManager:
             self.allocator.free(src)  # the other holders keep it; we drop our reference
             seq.block_table[-1] = dst
             copies.append((src, dst))
+            self._moves.append(BlockMove("copy", src, dst))
         grow = self.blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
         seq.block_table.extend(self.allocator.allocate_many(grow))
         start = seq.num_tokens
@@ -367,7 +457,7 @@ class BlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs or child_id in self._swapped:
             raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
-        for block in parent.block_table:
+        for block in _held(parent.block_table):
             self.allocator.incref(block)
         self._seqs[child_id] = _Sequence(block_table=list(parent.block_table), num_tokens=parent.num_tokens,
                                          block_hashes=list(parent.block_hashes))
@@ -381,7 +471,8 @@ class BlockManager:
         seq = self._get(seq_id)
         # The tail first: with a prefix cache, the evictor then reuses a prefix's last blocks before
         # its first ones, which more requests share (vLLM frees in the same order).
-        for block in reversed(seq.block_table) if self.prefix_cache else seq.block_table:
+        held = _held(seq.block_table)
+        for block in reversed(held) if self.prefix_cache else held:
             self.allocator.free(block)
         del self._seqs[seq_id]
 
@@ -392,26 +483,87 @@ class BlockManager:
         ``NoFreeBlocksError`` (nothing changed) when the swap pool has too few free blocks or none.
         """
         seq = self._get(seq_id)
+        held = _held(seq.block_table)
         if not self.can_swap_out(seq_id):
             free = self.swap_allocator.num_free if self.swap_allocator else 0
-            raise NoFreeBlocksError(needed=len(seq.block_table), free=free, pool="CPU swap")
-        cpu_blocks = self.swap_allocator.allocate_many(len(seq.block_table)) if seq.block_table else []
+            raise NoFreeBlocksError(needed=len(held), free=free, pool="CPU swap")
+        cpu_blocks = self.swap_allocator.allocate_many(len(held)) if held else []
         self.free(seq_id)
-        self._swapped[seq_id] = _Sequence(block_table=cpu_blocks, num_tokens=seq.num_tokens,
-                                          block_hashes=seq.block_hashes)
-        return list(zip(seq.block_table, cpu_blocks, strict=True))
+        self._swapped[seq_id] = _Sequence(block_table=_refill(seq.block_table, cpu_blocks),
+                                          num_tokens=seq.num_tokens, block_hashes=seq.block_hashes)
+        self._moves += [BlockMove("swap_out", g, c) for g, c in zip(held, cpu_blocks, strict=True)]
+        return list(zip(held, cpu_blocks, strict=True))
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Bring a swapped sequence back to fresh device blocks; returns the (CPU block, GPU block)
         copies. Raises ``NoFreeBlocksError`` (nothing changed) when the device pool is too full."""
         seq = self._get_swapped(seq_id)
-        gpu_blocks = self.allocator.allocate_many(len(seq.block_table))
-        for block in seq.block_table:
+        held = _held(seq.block_table)
+        gpu_blocks = self.allocator.allocate_many(len(held))
+        for block in held:
             self.swap_allocator.free(block)
         del self._swapped[seq_id]
-        self._seqs[seq_id] = _Sequence(block_table=gpu_blocks, num_tokens=seq.num_tokens,
+        self._seqs[seq_id] = _Sequence(block_table=_refill(seq.block_table, gpu_blocks), num_tokens=seq.num_tokens,
                                        block_hashes=seq.block_hashes)
-        return list(zip(seq.block_table, gpu_blocks, strict=True))
+        self._moves += [BlockMove("swap_in", c, g) for c, g in zip(held, gpu_blocks, strict=True)]
+        return list(zip(held, gpu_blocks, strict=True))
+
+    def free_out_of_window(self, seq_id: int, next_query_position: int) -> list[int]:
+        """Sliding window: give back the blocks no query at ``next_query_position`` or later can read.
+
+        A query at p reads positions >= p - W + 1, so block j (positions j*BS .. j*BS + BS - 1) is dead
+        once j*BS + BS - 1 < next_query_position - W + 1. Its table entry becomes ``NULL_BLOCK``.
+        Returns the freed physical blocks (a block a forked sibling still holds stays used). No-op
+        without a window. Call it after the step's slots are reserved, with the step's first query.
+        """
+        seq = self._get(seq_id)
+        if self.sliding_window is None:
+            return []
+        dead = max(0, next_query_position - self.sliding_window + 1) // self.block_size  # blocks 0..dead-1
+        freed = []
+        for j in range(min(dead, len(seq.block_table))):
+            block = seq.block_table[j]
+            if block != NULL_BLOCK:
+                self.allocator.free(block)
+                seq.block_table[j] = NULL_BLOCK
+                freed.append(block)
+        return freed
+
+    def take_moves(self) -> list[BlockMove]:
+        """The block copies decided since the last call, in order (the KV pool must do them before the
+        next forward); the list is handed over and cleared."""
+        moves, self._moves = self._moves, []
+        return moves
+
+    def host_usage(self) -> SwapUsage:
+        """The host tier, in blocks: ``used_blocks`` counts those holding offloaded K/V."""
+        pool = self.host_allocator
+        return SwapUsage(pool.num_blocks, pool.num_cached, pool.num_free) if pool else SwapUsage(0, 0, 0)
+
+    def _offload(self, block: int, h: str) -> None:
+        """The device evicts cached ``block`` (hash ``h``): keep its K/V in the host tier. Already there:
+        nothing to copy (it becomes the most recently used). Host tier full of pinned blocks: dropped."""
+        held = self.host_cache.lookup(h)
+        if held is not None:
+            self.host_allocator.incref(held)
+            self.host_allocator.free(held)  # back in the host evictor, most recently used
+            return
+        if self.host_allocator.num_available == 0:
+            return
+        host = self.host_allocator.allocate()  # a free host block, or the host's least recently used
+        self.host_cache.register(host, h)
+        self.host_allocator.free(host)  # refcount 0 with a hash: free but cached, on the host
+        self._moves.append(BlockMove("offload", block, host))
+        self.num_offloaded += 1
+
+    def _reload(self, host: int, block: int) -> int:
+        """Copy host block ``host`` back into fresh device ``block`` (registered under its hash at once:
+        the copy is done before the next forward, before anyone can read it)."""
+        self._moves.append(BlockMove("reload", host, block))
+        self.prefix_cache.register(block, self.host_cache.hash_of(host))
+        self.host_allocator.free(host)  # unpinned: stays cached on the host, most recently used
+        self.num_reloaded += 1
+        return block
 
     def swap_usage(self) -> SwapUsage:
         pool = self.swap_allocator
@@ -422,6 +574,8 @@ class BlockManager:
         filled: dict[int, int] = {}  # physical block -> tokens it holds
         for seq in self._seqs.values():
             for i, block in enumerate(seq.block_table):
+                if block == NULL_BLOCK:
+                    continue
                 in_block = min(self.block_size, seq.num_tokens - i * self.block_size)
                 filled[block] = max(filled.get(block, 0), in_block)
         used_blocks = self.allocator.num_used
@@ -438,9 +592,11 @@ class BlockManager:
         )
 
     # ---- the prefix cache (chapter 06; engine/prefix_cache.py) -------------------------------
-    def find_cached_prefix(self, token_ids: list[int], extra_keys: tuple, max_tokens: int) -> list[int]:
+    def find_cached_prefix(self, token_ids: list[int], extra_keys: tuple,
+                           max_tokens: int) -> list[int | HostBlock]:
         """The blocks holding the longest cached prefix of ``token_ids`` (whole blocks, at most
-        ``max_tokens`` tokens), to pass to ``allocate``; [] when prefix caching is off.
+        ``max_tokens`` tokens), to pass to ``allocate``; [] when prefix caching is off. A block found
+        only in the host tier is a ``HostBlock`` (``allocate`` reloads it into a fresh device block).
 
         The caller caps ``max_tokens`` at len(token_ids) - 1: the last token is always fed again,
         because sampling needs its logits (a fully cached prompt would leave nothing to run)::
@@ -450,9 +606,11 @@ class BlockManager:
         """
         if self.prefix_cache is None or max_tokens < self.block_size:
             return []
-        blocks: list[int] = []
+        blocks: list[int | HostBlock] = []
         for h in block_hashes(token_ids[:max_tokens], self.block_size, extra_keys):
             block = self.prefix_cache.lookup(h)
+            if block is None and self.host_cache is not None and self.host_cache.lookup(h) is not None:
+                block = HostBlock(self.host_cache.lookup(h))  # copied back by allocate
             if block is None:
                 break
             blocks.append(block)
@@ -475,7 +633,8 @@ class BlockManager:
             seq.block_hashes += block_hashes(token_ids[:full * self.block_size], self.block_size, extra_keys,
                                              start=known, parent=parent)
         for block, h in zip(seq.block_table, seq.block_hashes[:full], strict=False):
-            self.prefix_cache.register(block, h)
+            if block != NULL_BLOCK:
+                self.prefix_cache.register(block, h)
 
     def cached_block_ids(self) -> list[int]:
         """The free-but-cached blocks, least recently used (next to be evicted) first."""
@@ -490,6 +649,8 @@ class BlockManager:
         if self.allocator.num_used:
             return False
         self.allocator.drop_cached()
+        if self.host_allocator is not None:
+            self.host_allocator.drop_cached()
         for seq in self._swapped.values():
             seq.block_hashes = []  # rehashed (and registered again) after their next forward
         return True
@@ -511,16 +672,29 @@ class BlockManager:
                              f"{sorted(self._swapped)}") from None
 
     def _last_block_is_shared_and_partial(self, seq: _Sequence) -> bool:
+        # The last block is never NULL_BLOCK: the newest token is inside every window.
         partial = seq.num_tokens % self.block_size != 0
         return partial and self.allocator.refcount(seq.block_table[-1]) > 1
 
     def _blocks_needed_to_allocate(self, num_tokens: int, cached_blocks: list[int]) -> int:
         """New blocks, plus the cached blocks that a hit takes out of the evictor (refcount 0 now)."""
-        revived = sum(1 for b in cached_blocks if self.allocator.refcount(b) == 0)
-        return self.blocks_for(num_tokens) - len(cached_blocks) + revived
+        on_device = [b for b in cached_blocks if not isinstance(b, HostBlock)]
+        revived = sum(1 for b in on_device if self.allocator.refcount(b) == 0)
+        return self.blocks_for(num_tokens) - len(on_device) + revived
 
     def _blocks_needed_to_append(self, seq: _Sequence, num_new_tokens: int) -> int:
         if num_new_tokens <= 0:
             return 0
         cow = 1 if self._last_block_is_shared_and_partial(seq) else 0
         return cow + self.blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
+
+
+def _held(table: list[int]) -> list[int]:
+    """The blocks a table really holds: without the ``NULL_BLOCK`` entries a sliding window freed."""
+    return [b for b in table if b != NULL_BLOCK]
+
+
+def _refill(table: list[int], blocks: list[int]) -> list[int]:
+    """``table`` with its held entries replaced, in order, by ``blocks`` (NULL_BLOCK entries stay)."""
+    it = iter(blocks)
+    return [b if b == NULL_BLOCK else next(it) for b in table]

@@ -240,6 +240,7 @@ class CacheConfig:
     sliding_window: int | None = None
     swap_space_blocks: int | None = None  # CPU-side pool for swap preemption; None: as many as num_blocks
     enable_prefix_caching: bool = False  # chapter 06: share the full KV blocks of a cached prefix (vLLM's name)
+    kv_offload_blocks: int = 0  # host tier for evicted prefix-cache blocks (0: none); needs enable_prefix_caching
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_prefix_caching, bool),
@@ -249,10 +250,14 @@ class CacheConfig:
         for name, low, none_means in (("num_blocks", 1, "size the cache by bytes"),
                                       ("kv_cache_memory_bytes", 1, "the default budget"),
                                       ("swap_space_blocks", 0, "as many as num_blocks"),
-                                      ("sliding_window", 1, "no window")):
+                                      ("sliding_window", 1, "no window"),
+                                      ("kv_offload_blocks", 0, "no host tier")):
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and value >= low),
                      f"{name} must be an integer >= {low} or None ({none_means}), got {value!r}")
+        _require(self.kv_offload_blocks in (0, None) or self.enable_prefix_caching,
+                 f"kv_offload_blocks={self.kv_offload_blocks} needs enable_prefix_caching=True: the host tier "
+                 "keeps the prefix cache's evicted blocks")
         _require(self.num_blocks is None or self.kv_cache_memory_bytes is None,
                  f"num_blocks={self.num_blocks} and kv_cache_memory_bytes={self.kv_cache_memory_bytes} "
                  "both size the KV cache: give only one of them")

@@ -6,6 +6,8 @@ preemption is by swap, a CPU pool of the same layout for each::
 
     layer l:  k[l], v[l]            [NB, BS, Hkv, D]    on the model's device
               k_swap[l], v_swap[l]  [NSB, BS, Hkv, D]   on the CPU (NSB = 0: no swap pool)
+              k_host[l], v_host[l]  [NHB, BS, Hkv, D]   on the CPU: the host tier of the prefix cache
+                                                         (NHB = 0: none; engine/block_manager.py)
 
     slot s of the device pool  =  k[l][s // BS, s % BS]      (one token's K for every KV head)
 
@@ -18,6 +20,7 @@ tells the user what they got, in vLLM's words.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -26,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from engine.block_manager import BlockMove
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, KVCACHE_SPACE_ENV, CacheConfig, ModelConfig
 from engine.memory import kv_block_bytes, num_kv_blocks
 
@@ -42,13 +46,14 @@ class PagedKVPool:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 num_swap_blocks: int = 0):
+                 num_swap_blocks: int = 0, num_host_blocks: int = 0):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVPool: {name} must be an integer >= 1, got {value!r}")
-        if isinstance(num_swap_blocks, bool) or not isinstance(num_swap_blocks, int) or num_swap_blocks < 0:
-            raise ValueError(f"PagedKVPool: num_swap_blocks must be an integer >= 0, got {num_swap_blocks!r}")
+        for name, value in (("num_swap_blocks", num_swap_blocks), ("num_host_blocks", num_host_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PagedKVPool: {name} must be an integer >= 0, got {value!r}")
         self.num_blocks, self.block_size, self.num_swap_blocks = num_blocks, block_size, num_swap_blocks
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
@@ -59,12 +64,16 @@ class PagedKVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.k_swap = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.v_swap = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        host_shape = (num_host_blocks, *shape[1:])  # [NHB, BS, Hkv, D]
+        self.num_host_blocks = num_host_blocks
+        self.k_host = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.v_host = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str, num_swap_blocks: int = 0) -> PagedKVPool:
+                  device: torch.device | str, num_swap_blocks: int = 0, num_host_blocks: int = 0) -> PagedKVPool:
         return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                   config.head_dim, dtype, device, num_swap_blocks)
+                   config.head_dim, dtype, device, num_swap_blocks, num_host_blocks)
 
     @property
     def num_layers(self) -> int:
@@ -79,6 +88,36 @@ class PagedKVPool:
     def swap_nbytes(self) -> int:
         """Bytes of the CPU swap pools."""
         return sum(t.nbytes for t in self.k_swap + self.v_swap)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the host tier."""
+        return sum(t.nbytes for t in self.k_host + self.v_host)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block holds over every layer, K and V: what one block move copies."""
+        return self.nbytes // self.num_blocks
+
+    @torch.inference_mode()
+    def apply_moves(self, moves: list[BlockMove]) -> dict[str, int]:
+        """Do the block copies the block manager decided, IN ORDER (``BlockManager.take_moves``); returns
+        the number of blocks moved per kind. Consecutive moves of one kind are one indexed copy per pool:
+        within such a run no block is both written and read (the manager hands out fresh destinations)."""
+        counts: dict[str, int] = {}
+        for kind, run in itertools.groupby(moves, key=lambda m: m.kind):
+            run = list(run)
+            src, dst = _columns([(m.src, m.dst) for m in run])
+            src_pools, dst_pools = self._pools(_SOURCE[kind]), self._pools(_DESTINATION[kind])
+            src, dst = src.to(src_pools[0].device), dst.to(dst_pools[0].device)
+            for s_pool, d_pool in zip(src_pools, dst_pools, strict=True):
+                d_pool[dst] = s_pool[src].to(d_pool.device)
+            counts[kind] = counts.get(kind, 0) + len(run)
+        return counts
+
+    def _pools(self, tier: str) -> list[Tensor]:
+        """Every layer's K then V pools of one tier: "device", "swap" or "host"."""
+        return {"device": self.k + self.v, "swap": self.k_swap + self.v_swap, "host": self.k_host + self.v_host}[tier]
 
     @torch.inference_mode()
     def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
@@ -100,6 +139,10 @@ class PagedKVPool:
                 pool[in_gpu] = swap[in_cpu].to(self.device)
             if copies:
                 pool[dst] = pool[src]
+
+
+_SOURCE = {"swap_out": "device", "swap_in": "swap", "copy": "device", "offload": "device", "reload": "host"}
+_DESTINATION = {"swap_out": "swap", "swap_in": "device", "copy": "device", "offload": "host", "reload": "device"}
 
 
 def _columns(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:

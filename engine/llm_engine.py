@@ -85,9 +85,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.clock = model.eval(), tokenizer, clock
         cfg = model.config
-        if cfg.sliding_window is not None:
-            raise ValueError(f"model has sliding_window={cfg.sliding_window}: the paged engine attends over "
-                             "the whole context; use engine.kv_cache.generate_cached(..., window=...)")
+        # Sliding window: the model's (Mistral), or the cache option's for experiments (it wins).
+        self.sliding_window = config.cache.sliding_window or cfg.sliding_window
         self.max_model_len = cfg.max_position_embeddings
         cache, weight = config.cache, model.embed_tokens.weight
         num_blocks = plan_num_blocks(cfg, cache, config.scheduler.max_num_seqs, weight.dtype)  # sized by bytes
@@ -96,14 +95,16 @@ class LLMEngine:
             swap_blocks = num_blocks if cache.swap_space_blocks is None else cache.swap_space_blocks
         # The block manager owns every table (device and swap), the KV pool every tensor and copy,
         # the scheduler only decides; attention reads and writes through the pool.
-        self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks, cache.enable_prefix_caching)
+        host_blocks = cache.kv_offload_blocks or 0
+        self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks, cache.enable_prefix_caching,
+                                          self.sliding_window, host_blocks)
         # The prefix cache's key starts with the model's identity: its name and a hash of a sample of its
         # weights (engine/prefix_cache.py), so new weights never read the old weights' K/V.
         self.model_id = model_id or weights_id(config.model, cfg, model.state_dict().items())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.kv_pool = PagedKVPool.for_model(cfg, num_blocks, cache.block_size, weight.dtype, weight.device,
-                                             swap_blocks)
-        self.attention = PagedAttention(self.kv_pool, config.attention_backend)
+                                             swap_blocks, host_blocks)
+        self.attention = PagedAttention(self.kv_pool, config.attention_backend, self.sliding_window)
         log_kv_cache(self.kv_pool, self.max_model_len)
         self.device = weight.device
         self.num_threads = config.num_threads or default_num_threads(cfg.num_params())
@@ -336,10 +337,13 @@ class LLMEngine:
         A request about to fork its samples lends its logits row to each of them (they share the
         prompt). The forward's time is shared between prefill and decode in proportion to their
         token counts (they share every matmul, so only the attention part could be told apart)."""
+        t0 = time.perf_counter()
+        moved = self.kv_pool.apply_moves(sched.moves)  # in decision order, even when nothing runs
+        if moved:
+            sched.events.append({"type": "blocks_moved", **moved,
+                                 "bytes": sum(moved.values()) * self.kv_pool.block_nbytes})
         if not sched.work:
             return {}
-        t0 = time.perf_counter()
-        self.kv_pool.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
         input_ids, positions, meta = build_batch(sched.work, self.block_manager, self.device)
         logits = run_model(self.model, self.attention, input_ids, positions, meta)  # [S, V]
         t1 = time.perf_counter()
@@ -401,6 +405,7 @@ class LLMEngine:
 
     def _block_snapshot(self) -> BlockSnapshot:
         bm, usage, swap = self.block_manager, self.block_manager.usage(), self.block_manager.swap_usage()
+        host = bm.host_usage()
         live = [r for r in self.scheduler.running if r.seq_id in bm]
         return BlockSnapshot(
             total=usage.total_blocks, used=usage.used_blocks, free=usage.free_blocks, cached=usage.cached_blocks,
@@ -408,7 +413,8 @@ class LLMEngine:
             block_size=bm.block_size, wasted_slots=usage.wasted_slots,
             tables={r.request_id: bm.block_table(r.seq_id) for r in live},
             num_tokens={r.request_id: bm.num_tokens(r.seq_id) for r in live},
-            swap_total=swap.total_blocks, swap_used=swap.used_blocks)
+            swap_total=swap.total_blocks, swap_used=swap.used_blocks,
+            host_total=host.total_blocks, host_used=host.used_blocks)
 
     def _config_dict(self, num_blocks: int, swap_blocks: int) -> dict:
         cfg = self.model.config
@@ -421,6 +427,8 @@ class LLMEngine:
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
                       "enable_prefix_caching": self.config.cache.enable_prefix_caching,
+                      "sliding_window": self.sliding_window, "kv_offload_blocks": self.kv_pool.num_host_blocks,
+                      "kv_offload_bytes": self.kv_pool.host_nbytes,
                       "swap_space_bytes": self.kv_pool.swap_nbytes},
             "scheduler": {**dataclasses.asdict(self.config.scheduler),
                           "token_budget": self.scheduler.token_budget},

@@ -180,9 +180,14 @@ class PrefixCache:
 
     def evict(self) -> int:
         """Take the least recently used free-but-cached block, its hash removed first (for reuse)."""
+        return self.evict_with_hash()[0]
+
+    def evict_with_hash(self) -> tuple[int, str]:
+        """`evict`, also returning the hash the block held (a host tier may keep its K/V under it)."""
         block, _ = self._evictor.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block)]
-        return block
+        h = self._hash_of.pop(block)
+        del self._block_of[h]
+        return block, h
 
     def clear(self) -> list[int]:
         """Forget every hash; returns the blocks that were free but cached (now simply free)."""

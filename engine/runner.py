@@ -66,8 +66,9 @@ class PagedAttention:
     copies. `backend`: "torch" (the reference), "triton" or "cuda"; falls back to "torch" with a warning.
     """
 
-    def __init__(self, kv_pool: PagedKVPool, backend: str = "torch"):
+    def __init__(self, kv_pool: PagedKVPool, backend: str = "torch", sliding_window: int | None = None):
         self.kv_pool = kv_pool
+        self.sliding_window = sliding_window  # Mistral: each query reads at most its last W positions
         self.scale = kv_pool.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
         self.backend = resolve_backend(backend, kv_pool.device)  # warns once here, not every layer
 
@@ -79,10 +80,12 @@ class PagedAttention:
         if meta.decode_rows.numel():
             rows = meta.decode_rows
             out[rows] = paged_decode_attention(q[rows], k_pool, v_pool, meta.decode_block_tables,
-                                               meta.decode_seq_lens, self.scale, backend=self.backend)
+                                               meta.decode_seq_lens, self.scale, backend=self.backend,
+                                               sliding_window=self.sliding_window)
         for chunk in meta.prefills:
             out[chunk.lo:chunk.hi] = paged_prefill_attention_ref(
-                q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale)
+                q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale,
+                sliding_window=self.sliding_window)
         return out[None]  # [1, N, H, D]
 
 

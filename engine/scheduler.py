@@ -22,6 +22,10 @@ One `schedule()` builds one step, in this order (vLLM's):
 
 Every step stays within `max_num_batched_tokens` tokens (prefill chunk tokens + one per decode).
 
+Sliding window: once a request's slots for a step are reserved, the blocks that no query of this
+step or later can read (wholly before the window of its first query) go back to the pool at once
+(`BlockManager.free_out_of_window`); a "window_freed" event names them.
+
 Prefix caching (chapter 06): a request that holds no blocks yet (new, or back after a recompute
 preemption) first looks up its longest cached prefix in whole blocks, at most all its tokens but the
 last (whose logits we sample from). It shares those blocks and starts with num_computed_tokens at the
@@ -47,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, BlockMove, HostBlock
 from engine.config import SchedulerConfig
 from engine.request import RUNNING, SWAPPED, WAITING, Request
 
@@ -73,6 +77,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block), copy first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU copy-on-write
+    moves: list[BlockMove] = field(default_factory=list)  # every copy above and the host tier's, in order
     events: list[dict] = field(default_factory=list)
     budget_left: int = 0
     preempted: bool = False
@@ -132,6 +137,7 @@ class Scheduler:
             self._swap_in(out)
             if self.config.policy == "continuous":
                 self._admit_waiting(out)
+        out.moves = self.block_manager.take_moves()  # the KV pool does them, in this order, before the forward
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int]) -> None:
@@ -232,9 +238,13 @@ class Scheduler:
             bm.allocate(req.seq_id, start + n, hit)
             slots = bm.slot_mapping(req.seq_id, range(start, start + n))
             if bm.prefix_cache is not None:
+                from_host = sum(isinstance(b, HostBlock) for b in hit) * bm.block_size  # reloaded from the host tier
                 out.events.append({"type": "prefix_hit", "request_id": req.request_id, "num_tokens": start,
-                                   "num_query_tokens": req.num_tokens})
+                                   "num_query_tokens": req.num_tokens, "num_host_tokens": from_host})
         start = req.num_computed_tokens
+        freed = bm.free_out_of_window(req.seq_id, start)  # sliding window: blocks no query can read again
+        if freed:
+            out.events.append({"type": "window_freed", "request_id": req.request_id, "blocks": freed})
         phase = "decode" if req.is_decoding else "prefill"
         req.num_computed_tokens = start + n
         out.budget_left -= n

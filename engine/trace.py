@@ -34,9 +34,12 @@ The events (small dicts, `type` first):
     {"type": "admitted",  "request_id", "after_preemption": bool}   (again after a recompute preemption)
     {"type": "preempted", "request_id", "mode": "recompute" | "swap", "reason"}
     {"type": "swapped_in", "request_id"}
-    {"type": "prefix_hit", "request_id", "num_tokens", "num_query_tokens"}   (prefix caching on) a request
-                          got its blocks: num_tokens of its num_query_tokens were found in the prefix cache
-                          and are not prefilled (0: a miss). Again after a recompute preemption.
+    {"type": "window_freed", "request_id", "blocks"}             sliding window: blocks given back
+    {"type": "blocks_moved", "swap_out"|"swap_in"|"copy"|"offload"|"reload": count, ..., "bytes"}
+    {"type": "prefix_hit", "request_id", "num_tokens", "num_query_tokens", "num_host_tokens"}   (prefix
+                          caching on) a request got its blocks: num_tokens of its num_query_tokens were found
+                          in the prefix cache and are not prefilled (0: a miss); num_host_tokens of them came
+                          back from the host tier. Again after a recompute preemption.
     {"type": "forked",    "request_id", "parent"}      sample i of an n > 1 request, on sample 0's blocks
     {"type": "aborted",   "request_id", "time"}
     {"type": "finished",  "request_id", "reason": "stop" | "length" | "error", "error"?}   "error": the
@@ -107,6 +110,8 @@ class BlockSnapshot:
     swap_total: int = 0  # the CPU-side swap pool (0 when preemption is by recompute)
     swap_used: int = 0
     cached_block_ids: list[int] = field(default_factory=list)  # the `cached` blocks, next to be evicted first
+    host_total: int = 0  # the host tier of the prefix cache (kv_offload_blocks; 0 when off)
+    host_used: int = 0  # host blocks holding offloaded K/V
 
 
 @dataclass

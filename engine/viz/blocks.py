@@ -26,7 +26,8 @@ fraction of its BS slots that hold tokens (the empty rest is the waste paging le
 that several sequences share (after `fork`) is hatched and says how many hold it ("x3 [0]").
 With prefix caching (chapter 06), a block nobody holds whose K/V is still cached (free but
 cached: the next request with the same prefix reuses it, or the evictor reclaims it) is pale
-green and says "cached".
+green and says "cached". With a sliding window, a table entry of -1 (``NULL_BLOCK``) is a logical block
+the window freed: it holds no physical block, so nothing is drawn for it.
 
 Artists carry a `gid`: the cell of block b is "block:b", its filled part "fill:b".
 """
@@ -45,6 +46,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from engine.block_manager import BlockManager
+from kernels.paged_attention.reference import NULL_BLOCK
 
 GRID_COLUMNS = 16  # cells per row: a pool of 64 blocks is a 4 x 16 grid, still readable at notebook width
 WIDE_GRID_COLUMNS = 64  # for pools above 16 x 16 blocks (an engine's default pool): the grid stays short
@@ -207,6 +209,7 @@ def _check_tables(tables: Mapping, num_blocks: int, num_tokens: Mapping | None, 
     if block_size < 1:
         _fail(func, "block_size", f"must be >= 1, got {block_size}")
     for seq, table in tables.items():
+        table = [b for b in table if b != NULL_BLOCK]  # freed by a sliding window
         for b in table:
             if not 0 <= b < num_blocks:
                 _fail(func, "block_tables",
@@ -214,9 +217,10 @@ def _check_tables(tables: Mapping, num_blocks: int, num_tokens: Mapping | None, 
         if len(set(table)) != len(table):
             _fail(func, "block_tables", f"of sequence {seq!r} lists a block twice: {list(table)}")
         n = None if num_tokens is None else num_tokens.get(seq)
-        if n is not None and not 0 <= n <= len(table) * block_size:
-            _fail(func, "num_tokens", f"[{seq!r}] = {n} is outside 0..{len(table) * block_size} "
-                                      f"({len(table)} blocks x BS {block_size})")
+        logical = len(tables[seq])
+        if n is not None and not 0 <= n <= logical * block_size:
+            _fail(func, "num_tokens", f"[{seq!r}] = {n} is outside 0..{logical * block_size} "
+                                      f"({logical} blocks x BS {block_size})")
 
 
 def grid_cells(block_tables: Mapping, num_blocks: int, num_tokens: Mapping | None = None,
@@ -231,6 +235,8 @@ def grid_cells(block_tables: Mapping, num_blocks: int, num_tokens: Mapping | Non
     for seq, table in block_tables.items():
         n = len(table) * block_size if num_tokens is None or seq not in num_tokens else num_tokens[seq]
         for i, b in enumerate(table):
+            if b == NULL_BLOCK:
+                continue  # freed by the sliding window
             tokens = max(0, min(block_size, n - i * block_size))
             old = cells.get(b)
             owners = (seq,) if old is None else (*old.owners, seq)
@@ -248,7 +254,7 @@ def owner_color(seq_id, colors: Mapping | None = None):
 
 
 def _check_cached(cached: Sequence[int], tables: Mapping, num_blocks: int) -> None:
-    held = {b for table in tables.values() for b in table}
+    held = {b for table in tables.values() for b in table if b != NULL_BLOCK}
     for b in cached:
         if not 0 <= b < num_blocks or b in held:
             _fail("render_block_grid", "cached_block_ids",

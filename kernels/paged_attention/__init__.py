@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 
 from .reference import (
+    NULL_BLOCK,
     check_paged_inputs,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -27,6 +28,7 @@ BACKENDS = ("torch", "triton", "cuda")
 
 __all__ = [
     "BACKENDS",
+    "NULL_BLOCK",
     "check_paged_inputs",
     "paged_decode_attention",
     "paged_decode_attention_ref",
@@ -73,8 +75,10 @@ def resolve_backend(backend: str, device) -> str:
     return "torch"
 
 
-def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: float, backend: str = "torch"):
-    """Decode attention over a paged KV cache: q [B, H, D] -> [B, H, D]."""
+def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: float, backend: str = "torch",
+                           sliding_window: int | None = None):
+    """Decode attention over a paged KV cache: q [B, H, D] -> [B, H, D]; with ``sliding_window`` = W
+    each query reads only its sequence's last W tokens (table entries before them are not read)."""
     chosen = resolve_backend(backend, q.device)
     if chosen == "triton":
         from .triton import paged_decode_attention_triton as run
@@ -82,7 +86,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: flo
         from .cuda import paged_decode_attention_cuda as run
     else:
         run = paged_decode_attention_ref
-    return run(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    return run(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping, backend: str = "torch") -> None:

@@ -47,9 +47,10 @@ def load_cuda_extension():
     )
 
 
-def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float):
+def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
+                                sliding_window: int | None = None):
     """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
-    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs tensors on a CUDA device, got {q.device}")
     if q.shape[2] > MAX_HEAD_DIM:
@@ -64,7 +65,7 @@ def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale
             raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), got {pool.stride()}")
     ext = load_cuda_extension()
     return ext.paged_decode(q.contiguous(), k_pool, v_pool, block_tables.contiguous(), seq_lens.contiguous(),
-                            float(scale))
+                            float(scale), int(sliding_window or 0))
 
 
 def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:

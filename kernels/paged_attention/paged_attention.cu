@@ -9,6 +9,8 @@
 //     block_tables    [B, max_blocks] int32 contiguous; entry j = physical block of tokens
 //                                           j*BS .. j*BS+BS-1
 //     seq_lens        [B] int32
+//     window          sliding window W (0: none): the query reads only positions seq_len - W ..
+//                     seq_len - 1; table entries of blocks before them are never read (may be -1)
 //
 // What it teaches, compared with the Triton version: the work a Triton program does with whole
 // tiles is spelled out here thread by thread. One thread block per (sequence, query head), 4
@@ -72,7 +74,7 @@ template <typename T>
 __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(
     const T* __restrict__ q, const T* __restrict__ k_pool, const T* __restrict__ v_pool,
     const int32_t* __restrict__ block_tables, const int32_t* __restrict__ seq_lens, T* __restrict__ out,
-    float scale, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+    float scale, int window, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
     int64_t stride_kn, int64_t stride_ks, int64_t stride_kh,
     int64_t stride_vn, int64_t stride_vs, int64_t stride_vh) {
   extern __shared__ float smem[];
@@ -85,6 +87,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(
   const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
   const int seq_len = seq_lens[seq];
   const int num_blocks = (seq_len + block_size - 1) / block_size;
+  const int first = window > 0 ? max(0, seq_len - window) : 0;  // first position the query reads
   const int64_t row = (int64_t)seq * num_heads + head;
 
   for (int d = tid; d < head_dim; d += NUM_THREADS) s_q[d] = to_float(q[row * head_dim + d]);
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(
   float m = -INFINITY, l = 0.f;  // identical in every thread: each computes them from shared memory
   float acc[MAX_DIMS_PER_THREAD] = {0.f, 0.f, 0.f, 0.f};
 
-  for (int j = 0; j < num_blocks; ++j) {
+  for (int j = first / block_size; j < num_blocks; ++j) {  // blocks before the window: skipped
     const int64_t phys = block_tables[(int64_t)seq * max_blocks + j];
     const int n_valid = min(block_size, seq_len - j * block_size);  // tokens in this block
     const T* k_block = k_pool + phys * stride_kn + kv_head * stride_kh;
@@ -103,13 +106,13 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(
       float dot = 0.f;
       for (int d = lane; d < head_dim; d += WARP_SIZE) dot += s_q[d] * to_float(k_block[t * stride_ks + d]);
       dot = warp_sum(dot);
-      if (lane == 0) s_logits[t] = dot * scale;
+      if (lane == 0) s_logits[t] = j * block_size + t < first ? -INFINITY : dot * scale;  // before the window
     }
     __syncthreads();
 
     float block_max = -INFINITY;  // 2. online softmax
     for (int t = lane; t < n_valid; t += WARP_SIZE) block_max = fmaxf(block_max, s_logits[t]);
-    const float m_new = fmaxf(m, warp_max(block_max));  // finite: every block has >= 1 token
+    const float m_new = fmaxf(m, warp_max(block_max));  // finite: every block read has >= 1 visible token
     const float alpha = expf(m - m_new);                 // 0 on the first block (m = -inf)
     for (int t = tid; t < n_valid; t += NUM_THREADS) s_probs[t] = expf(s_logits[t] - m_new);
     __syncthreads();
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_kernel(
 // Host-side launch: grid (H, B), 128 threads, shared memory for q, scores and probabilities.
 template <typename T>
 cudaError_t launch_paged_decode(const T* q, const T* k_pool, const T* v_pool, const int32_t* block_tables,
-                                const int32_t* seq_lens, T* out, float scale, int batch, int num_heads,
+                                const int32_t* seq_lens, T* out, float scale, int window, int batch, int num_heads,
                                 int num_kv_heads, int head_dim, int block_size, int max_blocks,
                                 int64_t stride_kn, int64_t stride_ks, int64_t stride_kh, int64_t stride_vn,
                                 int64_t stride_vs, int64_t stride_vh, cudaStream_t stream) {
@@ -150,7 +153,7 @@ cudaError_t launch_paged_decode(const T* q, const T* k_pool, const T* v_pool, co
   const dim3 grid(num_heads, batch);
   const size_t smem_bytes = (size_t)(head_dim + 2 * block_size) * sizeof(float);
   paged_decode_kernel<T><<<grid, NUM_THREADS, smem_bytes, stream>>>(
-      q, k_pool, v_pool, block_tables, seq_lens, out, scale, num_heads, num_kv_heads, head_dim, block_size,
+      q, k_pool, v_pool, block_tables, seq_lens, out, scale, window, num_heads, num_kv_heads, head_dim, block_size,
       max_blocks, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh);
   return cudaGetLastError();
 }
@@ -158,7 +161,7 @@ cudaError_t launch_paged_decode(const T* q, const T* k_pool, const T* v_pool, co
 // Explicit instantiations: one kernel per storage type ends up in the cubin.
 #define SERVELAB_INSTANTIATE(T)                                                                         \
   template cudaError_t launch_paged_decode<T>(const T*, const T*, const T*, const int32_t*, const int32_t*, \
-                                              T*, float, int, int, int, int, int, int, int64_t, int64_t,  \
+                                              T*, float, int, int, int, int, int, int, int, int64_t, int64_t, \
                                               int64_t, int64_t, int64_t, int64_t, cudaStream_t);
 SERVELAB_INSTANTIATE(float)
 SERVELAB_INSTANTIATE(__half)
@@ -176,18 +179,20 @@ SERVELAB_INSTANTIATE(__nv_bfloat16)
 template <typename T>
 static cudaError_t run_paged_decode(const torch::Tensor& q, const torch::Tensor& k_pool,
                                     const torch::Tensor& v_pool, const torch::Tensor& block_tables,
-                                    const torch::Tensor& seq_lens, torch::Tensor& out, double scale) {
+                                    const torch::Tensor& seq_lens, torch::Tensor& out, double scale,
+                                    int64_t window) {
   return servelab::launch_paged_decode<T>(
       static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k_pool.data_ptr()),
       static_cast<const T*>(v_pool.data_ptr()), block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-      static_cast<T*>(out.data_ptr()), static_cast<float>(scale), q.size(0), q.size(1), k_pool.size(2),
+      static_cast<T*>(out.data_ptr()), static_cast<float>(scale), static_cast<int>(window), q.size(0), q.size(1),
+      k_pool.size(2),
       q.size(2), k_pool.size(1), block_tables.size(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
       v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), c10::cuda::getCurrentCUDAStream());
 }
 
 // The Python launcher has already run check_paged_inputs; here we only guard the layout.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.is_cuda() && q.is_contiguous(), "q must be a contiguous CUDA tensor");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables/lengths must be contiguous");
   TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1, "pools must be contiguous in D");
@@ -195,10 +200,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   torch::Tensor out = torch::empty_like(q);
   cudaError_t err;
   switch (q.scalar_type()) {
-    case at::kFloat: err = run_paged_decode<float>(q, k_pool, v_pool, block_tables, seq_lens, out, scale); break;
-    case at::kHalf: err = run_paged_decode<__half>(q, k_pool, v_pool, block_tables, seq_lens, out, scale); break;
+    case at::kFloat: err = run_paged_decode<float>(q, k_pool, v_pool, block_tables, seq_lens, out, scale, window); break;
+    case at::kHalf: err = run_paged_decode<__half>(q, k_pool, v_pool, block_tables, seq_lens, out, scale, window); break;
     case at::kBFloat16:
-      err = run_paged_decode<__nv_bfloat16>(q, k_pool, v_pool, block_tables, seq_lens, out, scale);
+      err = run_paged_decode<__nv_bfloat16>(q, k_pool, v_pool, block_tables, seq_lens, out, scale, window);
       break;
     default: TORCH_CHECK(false, "q: dtype must be float32, float16 or bfloat16");
   }
@@ -207,6 +212,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (q, k_pool, v_pool, block_tables, seq_lens, scale)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (q, k_pool, v_pool, block_tables, seq_lens, scale, window)");
 }
 #endif  // SERVELAB_TORCH_EXTENSION

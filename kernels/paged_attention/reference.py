@@ -14,6 +14,14 @@ A sequence reaches its tokens through its block table: token position p lives in
 block ``block_table[p // BS]`` at offset ``p % BS``. Entries past a sequence's last block are
 never read, so a batch's tables can be padded with anything (we pad with 0).
 
+Sliding window (Mistral): with ``sliding_window = W`` a query at position p sees only keys at
+positions p - W + 1 .. p. Blocks that lie wholly before the window are never read, so the block
+manager may give them back to the pool and leave a placeholder (``NULL_BLOCK`` = -1) in the table::
+
+    W = 6, BS = 4, seq_len = 14 (query at position 13 sees positions 8..13)
+    block table   [ -1,  -1,  5,  9 ]        blocks 0 and 1 (positions 0..7) were freed
+    read          .....  .....  8..11 12..13
+
 Three functions, all written for reading, not speed:
 - ``write_kv_ref``: put new tokens' K and V into their slots;
 - ``paged_decode_attention_ref``: one new query per sequence against its whole cached past;
@@ -27,6 +35,21 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPE = torch.int32  # block tables and lengths: 2^31 blocks is far beyond any pool
+NULL_BLOCK = -1  # a table entry whose block was freed (it fell out of the sliding window); never read
+
+
+def first_visible_position(seq_len, sliding_window: int | None):
+    """The first key position the LAST query of a sequence of ``seq_len`` tokens can see (an int or
+    an int tensor): 0 without a window, else max(0, seq_len - W)."""
+    if sliding_window is None:
+        return seq_len * 0
+    return (seq_len - sliding_window).clamp(min=0) if torch.is_tensor(seq_len) else max(0, seq_len - sliding_window)
+
+
+def check_sliding_window(sliding_window) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        _fail("sliding_window", f"must be an integer >= 1 or None (no window), got {sliding_window!r}")
 
 
 # ---- the input contract ------------------------------------------------------------------------
@@ -59,10 +82,12 @@ def _check_index_tensor(name, t, dims, device, dtypes=(INDEX_DTYPE,)):
 
 
 def check_block_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
-                       names=("block_tables", "seq_lens")) -> None:
+                       names=("block_tables", "seq_lens"), first_positions=None) -> None:
     """Lengths in 1..capacity; every entry a sequence will read points inside the pool.
 
-    ``names`` are the fields as the caller knows them, for the error message."""
+    ``names`` are the fields as the caller knows them, for the error message. ``first_positions``
+    [B] (sliding window): the first position each sequence reads; blocks before it are not read, so
+    they may hold ``NULL_BLOCK``."""
     tables_name, lens_name = names
     batch, max_blocks = block_tables.shape
     if seq_lens.shape != (batch,):
@@ -74,7 +99,10 @@ def check_block_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
         _fail(lens_name, f"{lens_name}[{b}] = {int(seq_lens[b])} is outside 1..{capacity} "
                          f"(block table capacity: {max_blocks} blocks x BS {block_size})")
     blocks_used = (seq_lens.to(torch.int64) + block_size - 1) // block_size  # [B]
-    read = torch.arange(max_blocks, device=block_tables.device)[None, :] < blocks_used[:, None]
+    block_ids = torch.arange(max_blocks, device=block_tables.device)[None, :]  # [1, max_blocks]
+    read = block_ids < blocks_used[:, None]
+    if first_positions is not None:
+        read &= block_ids >= (first_positions.to(torch.int64) // block_size)[:, None]
     bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
         b, j = (int(i) for i in bad.nonzero()[0])
@@ -95,16 +123,20 @@ def _check_query(q, k_pool, scale: float) -> None:
         _fail("scale", f"must be > 0 (usually 1/sqrt(D)), got {scale}")
 
 
-def check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale: float) -> None:
+def check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
+                       sliding_window: int | None = None) -> None:
     """The decode contract: q [B, H, D], pools [NB, BS, Hkv, D], tables [B, max_blocks] int32,
-    seq_lens [B] int32. Raises ValueError naming the field; reads nothing out of bounds."""
+    seq_lens [B] int32, sliding_window None or >= 1. Raises ValueError naming the field; reads
+    nothing out of bounds."""
     check_kv_pools(k_pool, v_pool)
     _check_query(q, k_pool, scale)
+    check_sliding_window(sliding_window)
     _check_index_tensor("block_tables", block_tables, 2, q.device)
     _check_index_tensor("seq_lens", seq_lens, 1, q.device)
     if block_tables.shape[0] != q.shape[0]:
         _fail("block_tables", f"has {block_tables.shape[0]} rows, q has B = {q.shape[0]}")
-    check_block_tables(block_tables, seq_lens, *k_pool.shape[:2])
+    first = first_visible_position(seq_lens, sliding_window) if sliding_window is not None else None
+    check_block_tables(block_tables, seq_lens, *k_pool.shape[:2], first_positions=first)
 
 
 def check_write_inputs(k, v, k_pool, v_pool, slot_mapping) -> None:
@@ -138,12 +170,14 @@ def write_kv_ref(k, v, k_pool, v_pool, slot_mapping) -> None:
     v_pool[blocks, offsets] = v
 
 
-def gather_kv(k_pool, v_pool, block_table, num_tokens: int):
-    """Follow one block table: the first ``num_tokens`` tokens' K and V, contiguous [L, Hkv, D]."""
+def gather_kv(k_pool, v_pool, block_table, num_tokens: int, first_block: int = 0):
+    """Follow one block table: the K and V of positions first_block * BS .. num_tokens - 1,
+    contiguous [L, Hkv, D] (blocks before ``first_block`` are skipped: a sliding window freed them)."""
     _, block_size, num_kv_heads, head_dim = k_pool.shape
-    blocks = block_table[: (num_tokens + block_size - 1) // block_size].long()  # [n]
-    k = k_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens]  # [n, BS, Hkv, D] -> [L, Hkv, D]
-    v = v_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens]
+    blocks = block_table[first_block: (num_tokens + block_size - 1) // block_size].long()  # [n]
+    L = num_tokens - first_block * block_size
+    k = k_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:L]  # [n, BS, Hkv, D] -> [L, Hkv, D]
+    v = v_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:L]
     return k, v
 
 
@@ -159,25 +193,34 @@ def _attend(q, k, v, scale, mask=None):
     return torch.einsum("hql,lhd->qhd", probs, v).to(q.dtype)  # [Tq, H, D]
 
 
-def paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale: float):
-    """One query per sequence: q [B, H, D] attends to the first seq_lens[b] cached tokens."""
-    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale)
+def paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
+                               sliding_window: int | None = None):
+    """One query per sequence: q [B, H, D] attends to the first seq_lens[b] cached tokens (only
+    the last ``sliding_window`` of them when given)."""
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
+    block_size = k_pool.shape[1]
     out = torch.empty_like(q)  # [B, H, D]
     for b in range(q.shape[0]):
-        k, v = gather_kv(k_pool, v_pool, block_tables[b], int(seq_lens[b]))
+        seq_len = int(seq_lens[b])
+        first = first_visible_position(seq_len, sliding_window)
+        k, v = gather_kv(k_pool, v_pool, block_tables[b], seq_len, first // block_size)  # [L, Hkv, D]
+        k, v = k[first % block_size:], v[first % block_size:]  # drop the block's slots before the window
         out[b] = _attend(q[b : b + 1], k, v, scale)[0]
     return out
 
 
-def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, scale: float):
+def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, scale: float,
+                                sliding_window: int | None = None):
     """Queries of ONE sequence, q [Tq, H, D] at absolute positions q_positions [Tq], attend to
-    every cached position <= their own (causal). Their own K/V must already be in the pool.
+    every cached position <= their own (causal), and > their own - ``sliding_window`` when given.
+    Their own K/V must already be in the pool.
 
     This is chunked prefill over a paged cache: chunk 2 of a prompt sees chunk 1 through the
     block table, and itself causally.
     """
     check_kv_pools(k_pool, v_pool)
     _check_query(q, k_pool, scale)
+    check_sliding_window(sliding_window)
     _check_index_tensor("block_table", block_table, 1, q.device)
     _check_index_tensor("q_positions", q_positions, 1, q.device, dtypes=(torch.int32, torch.int64))
     if q_positions.shape[0] != q.shape[0] or q.shape[0] == 0:
@@ -190,8 +233,14 @@ def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, sca
         _fail("q_positions", f"max position {context_len - 1} is outside 0..{capacity - 1} "
                              f"(block_table holds {block_table.shape[0]} blocks x BS {k_pool.shape[1]})")
     seq_lens = torch.tensor([context_len], dtype=INDEX_DTYPE, device=q.device)
-    check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2], names=("block_table", "q_positions"))
-    k, v = gather_kv(k_pool, v_pool, block_table, context_len)  # [L, Hkv, D]
-    key_positions = torch.arange(context_len, device=q.device)
+    # The earliest query sees furthest back: from min(q) - W + 1.
+    first = first_visible_position(int(q_positions.min()) + 1, sliding_window)
+    first_block = first // k_pool.shape[1]
+    check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
+                       first_positions=seq_lens * 0 + first)
+    k, v = gather_kv(k_pool, v_pool, block_table, context_len, first_block)  # [L, Hkv, D]
+    key_positions = torch.arange(first_block * k_pool.shape[1], context_len, device=q.device)  # [L]
     mask = key_positions[None, :] <= q_positions[:, None]  # [Tq, L]
+    if sliding_window is not None:
+        mask &= q_positions[:, None] - key_positions[None, :] < sliding_window
     return _attend(q, k, v, scale, mask)

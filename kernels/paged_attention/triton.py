@@ -81,7 +81,7 @@ def decode_traffic_bytes(batch, context_len, num_heads, num_kv_heads, head_dim, 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    scale_log2e,
+    scale_log2e, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_bt,
@@ -100,13 +100,16 @@ def _paged_decode_kernel(
     q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G, D]
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = tl.maximum(seq_len - window, 0)  # sliding window: the first position we read (window = 0: none)
+    first = tl.where(window > 0, first, 0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, in log2 units
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p * V
-    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    for j in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):  # blocks before the window: skipped
         phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
-        s_mask = (offs_s < BLOCK_SIZE) & (j * BLOCK_SIZE + offs_s < seq_len)  # [BS]
+        pos = j * BLOCK_SIZE + offs_s
+        s_mask = (offs_s < BLOCK_SIZE) & (pos < seq_len) & (pos >= first)  # [BS]
         kv_mask = s_mask[:, None] & d_mask[None, :]
         k_rows = k_pool_ptr + phys * stride_kn + offs_s[:, None] * stride_ks + kv_head * stride_kh
         k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [BS, D]
@@ -159,9 +162,10 @@ def _require_unit_stride(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), got strides {t.stride()}")
 
 
-def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, scale: float):
+def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
+                                  sliding_window: int | None = None):
     """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
-    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
     _require_unit_stride("k_pool", k_pool)
     _require_unit_stride("v_pool", v_pool)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -175,7 +179,7 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, sca
         return out
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, k_pool, v_pool, block_tables, seq_lens, out,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
