@@ -1,8 +1,8 @@
 """Issue 9: a seeded fuzz of the whole engine. No request, however bad, breaks the engine or the others.
 
 Each trial draws a configuration (policy, preemption mode, a tiny pool, chunked prefill or not, prefix
-caching or not) and then, step by step: arrivals (n up to 3), bad prompts (which must raise and leave no
-trace), aborts of whole requests, of single samples "<id>#i" and of finished ones, and now and then a step
+caching or not, with or without a host tier, a sliding window or not) and then, step by step: arrivals
+(n up to 3, some starting with an earlier prompt), bad prompts (which must raise and leave no trace), aborts of whole requests, of single samples "<id>#i" and of finished ones, and now and then a step
 whose forward or sampler raises. After EVERY step we check the invariants below; at the end every request
 is finished, the greedy outputs of the ones that were neither aborted nor failed equal the naive loop's
 (and the others' are a prefix of it), and every block is free (or free but cached).
@@ -34,8 +34,13 @@ MODEL = random_model(seed=7)
 
 
 @functools.cache
-def naive_tokens(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
-    return generate_naive(MODEL, None, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens)).token_ids
+def naive_tokens(prompt: tuple[int, ...], max_tokens: int, window: int | None = None) -> list[int]:
+    """The oracle: the no-cache loop, with the same sliding-window mask as the engine's."""
+    MODEL.config.sliding_window = window
+    try:
+        return generate_naive(MODEL, None, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens)).token_ids
+    finally:
+        MODEL.config.sliding_window = None
 
 
 class FailSwitch:
@@ -55,7 +60,10 @@ def random_config(rng: random.Random) -> dict:
     config = dict(policy=rng.choice(["continuous", "static"]), preemption_mode=rng.choice(["recompute", "swap"]),
                   num_blocks=rng.randint(MIN_BLOCKS, MIN_BLOCKS + 6), block_size=BLOCK_SIZE,
                   max_num_seqs=rng.randint(2, 5), enable_chunked_prefill=rng.random() < 0.5,
-                  swap_space_blocks=rng.choice([None, 3, 8]), enable_prefix_caching=rng.random() < 0.5)
+                  swap_space_blocks=rng.choice([None, 3, 8]), enable_prefix_caching=rng.random() < 0.5,
+                  sliding_window=rng.choice([None, None, 3, 6, 11]))
+    if config["enable_prefix_caching"]:
+        config["kv_offload_blocks"] = rng.choice([0, 2, 12])
     if config["enable_chunked_prefill"]:
         config |= dict(max_num_batched_tokens=rng.choice([8, 16]), max_prefill_chunk_tokens=rng.choice([4, 8, None]))
     return config
@@ -71,6 +79,10 @@ def check_invariants(engine: LLMEngine) -> None:
     check_refcounts(bm.allocator, [bm.block_table(q) for q in bm.seq_ids()])
     if bm.swap_allocator is not None:
         check_refcounts(bm.swap_allocator, [bm.swap_table(q) for q in bm.swapped_seq_ids()])
+    if bm.host_allocator is not None:  # every host block is free, or free but cached (none pinned between steps)
+        host = bm.host_usage()
+        check_refcounts(bm.host_allocator, [])
+        assert host.used_blocks + host.free_blocks == host.total_blocks == bm.host_cache.num_hashes + host.free_blocks
     assert set(bm.seq_ids()) <= {r.seq_id for r in s.running}  # only running sequences hold device blocks
     assert set(bm.swapped_seq_ids()) == {r.seq_id for r in s.swapped}
     check_registration(engine)
@@ -142,6 +154,9 @@ class Trial:
         self.to_arrive -= 1
         rng = self.rng
         prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, MAX_PROMPT))]
+        if self.expected and rng.random() < 0.4:  # an earlier prompt's start: prefix-cache (and host-tier) hits
+            earlier = rng.choice([p for p, _ in self.expected.values()])
+            prompt = (list(earlier) + prompt)[:MAX_PROMPT]
         max_tokens, n = rng.randint(1, MAX_OUT), rng.choice([1, 1, 2, 3])
         params = SamplingParams(n=n, temperature=0, max_tokens=max_tokens)
         given = [np.int64(t) for t in prompt] if rng.random() < 0.2 else prompt  # numpy ids are fine too
@@ -191,7 +206,7 @@ class Trial:
     def check_outcome(self) -> None:
         engine = self.engine
         for rid, (prompt, max_tokens) in self.expected.items():
-            seq, expected = engine.get_request(rid), naive_tokens(prompt, max_tokens)
+            seq, expected = engine.get_request(rid), naive_tokens(prompt, max_tokens, self.config["sliding_window"])
             assert seq.is_finished
             if seq.finish_reason in ("abort", "error"):  # what it produced before is still right
                 assert seq.output_token_ids == expected[: len(seq.output_token_ids)]
@@ -221,5 +236,8 @@ def test_random_arrivals_aborts_bad_prompts_and_failing_steps_never_break_the_en
             raise AssertionError(f"trial seed={seed} config={trial.config}: {e}") from e
         for report in trial.engine.trace.steps:
             seen.update(e.get("mode", e.get("reason", e["type"])) for e in report.events)
+            moved = [e for e in report.events if e["type"] == "blocks_moved"]
+            seen.update(k for e in moved for k in ("offload", "reload") if k in e)
     # the fuzz really went where it should: both preemption modes, forks, aborts, failed steps
-    assert all(seen[kind] > 0 for kind in ("swap", "recompute", "forked", "aborted", "error")), seen
+    assert all(seen[kind] > 0 for kind in ("swap", "recompute", "forked", "aborted", "error", "window_freed",
+                                           "offload", "reload")), seen
