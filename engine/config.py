@@ -224,6 +224,9 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's option name; "auto" stores K/V in the model's dtype
+
+
 @dataclass
 class CacheConfig:
     """How the KV cache is laid out and how big it is (chapters 03-04).
@@ -241,6 +244,7 @@ class CacheConfig:
     swap_space_blocks: int | None = None  # CPU-side pool for swap preemption; None: as many as num_blocks
     enable_prefix_caching: bool = False  # chapter 06: share the full KV blocks of a cached prefix (vLLM's name)
     kv_offload_blocks: int = 0  # host tier for evicted prefix-cache blocks (0: none); needs enable_prefix_caching
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": int8 K/V with per-token, per-head scales
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_prefix_caching, bool),
@@ -255,6 +259,8 @@ class CacheConfig:
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and value >= low),
                      f"{name} must be an integer >= {low} or None ({none_means}), got {value!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.kv_offload_blocks in (0, None) or self.enable_prefix_caching,
                  f"kv_offload_blocks={self.kv_offload_blocks} needs enable_prefix_caching=True: the host tier "
                  "keeps the prefix cache's evicted blocks")

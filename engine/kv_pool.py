@@ -40,8 +40,12 @@ GiB = 2**30
 class PagedKVPool:
     """Per-layer K and V pools [NB, BS, Hkv, D] on the device, their CPU swap twins, and the copies.
 
-    Attention reads and writes ``k[layer]`` / ``v[layer]`` in place; ``move_blocks`` does the
-    copies a scheduler step asks for (swap out, swap in, copy-on-write).
+    Attention reads and writes ``k[layer]`` / ``v[layer]`` in place; ``apply_moves`` does the
+    copies a scheduler step asks for (swap out, swap in, copy-on-write, offload, reload).
+
+    ``dtype=torch.int8`` (KV int8, chapter 07): the pools hold int8 values, and ``k_scale[layer]`` /
+    ``v_scale[layer]`` [NB, BS, Hkv] fp32 one scale per token and KV head (and so do the CPU twins);
+    ``scales(layer)`` gives them to the kernels, and every block move copies them with the values.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -60,14 +64,17 @@ class PagedKVPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)  # [NB, BS, Hkv, D]
         swap_shape = (num_swap_blocks, *shape[1:])  # [NSB, BS, Hkv, D]
         pin = self.device.type == "cuda"  # page-locked CPU memory: faster device <-> CPU copies
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.k_swap = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.v_swap = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         host_shape = (num_host_blocks, *shape[1:])  # [NHB, BS, Hkv, D]
         self.num_host_blocks = num_host_blocks
-        self.k_host = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.v_host = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.k, self.v, self.k_scale, self.v_scale = _layers(num_layers, shape, dtype, device=self.device)
+        self.k_swap, self.v_swap, self.k_scale_swap, self.v_scale_swap = _layers(num_layers, swap_shape, dtype,
+                                                                                 pin_memory=pin)
+        self.k_host, self.v_host, self.k_scale_host, self.v_scale_host = _layers(num_layers, host_shape, dtype,
+                                                                                 pin_memory=pin)
+
+    def scales(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """(k_scale, v_scale) [NB, BS, Hkv] of an int8 pool, or None for float pools."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.k_scale else None
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -81,18 +88,19 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device pools: K and V of every layer (the KV cache formula, T = NB * BS)."""
-        return sum(t.nbytes for t in self.k + self.v)
+        """Bytes of the device pools: K and V of every layer (the KV cache formula, T = NB * BS), and
+        the scales of int8 pools."""
+        return sum(t.nbytes for t in self._pools("device"))
 
     @property
     def swap_nbytes(self) -> int:
         """Bytes of the CPU swap pools."""
-        return sum(t.nbytes for t in self.k_swap + self.v_swap)
+        return sum(t.nbytes for t in self._pools("swap"))
 
     @property
     def host_nbytes(self) -> int:
         """Bytes of the host tier."""
-        return sum(t.nbytes for t in self.k_host + self.v_host)
+        return sum(t.nbytes for t in self._pools("host"))
 
     @property
     def block_nbytes(self) -> int:
@@ -116,8 +124,13 @@ class PagedKVPool:
         return counts
 
     def _pools(self, tier: str) -> list[Tensor]:
-        """Every layer's K then V pools of one tier: "device", "swap" or "host"."""
-        return {"device": self.k + self.v, "swap": self.k_swap + self.v_swap, "host": self.k_host + self.v_host}[tier]
+        """Every layer's K, V (and scale) pools of one tier: "device", "swap" or "host"; all [N?, BS, ...],
+        indexed by block id in their first dimension."""
+        if tier == "device":
+            return self.k + self.v + self.k_scale + self.v_scale
+        if tier == "swap":
+            return self.k_swap + self.v_swap + self.k_scale_swap + self.v_scale_swap
+        return self.k_host + self.v_host + self.k_scale_host + self.v_scale_host
 
     @torch.inference_mode()
     def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
@@ -132,13 +145,25 @@ class PagedKVPool:
         in_cpu, in_gpu = _columns(swap_in)
         src, dst = _columns(copies)
         out_gpu, in_gpu, src, dst = (t.to(self.device) for t in (out_gpu, in_gpu, src, dst))
-        for pool, swap in zip(self.k + self.v, self.k_swap + self.v_swap, strict=True):
+        for pool, swap in zip(self._pools("device"), self._pools("swap"), strict=True):
             if swap_out:
                 swap[out_cpu] = pool[out_gpu].cpu()
             if swap_in:
                 pool[in_gpu] = swap[in_cpu].to(self.device)
             if copies:
                 pool[dst] = pool[src]
+
+
+def _layers(num_layers: int, shape: tuple, dtype: torch.dtype, **where) -> tuple[list, list, list, list]:
+    """Per-layer K and V pools of ``shape`` [N, BS, Hkv, D], and, for int8, their fp32 scales [N, BS, Hkv]
+    (empty lists otherwise)."""
+    k = [torch.zeros(shape, dtype=dtype, **where) for _ in range(num_layers)]
+    v = [torch.zeros(shape, dtype=dtype, **where) for _ in range(num_layers)]
+    if dtype != torch.int8:
+        return k, v, [], []
+    k_scale = [torch.zeros(shape[:3], dtype=torch.float32, **where) for _ in range(num_layers)]
+    v_scale = [torch.zeros(shape[:3], dtype=torch.float32, **where) for _ in range(num_layers)]
+    return k, v, k_scale, v_scale
 
 
 _SOURCE = {"swap_out": "device", "swap_in": "swap", "copy": "device", "offload": "device", "reload": "host"}

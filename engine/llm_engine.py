@@ -43,6 +43,8 @@ import time
 import warnings
 from collections.abc import Callable
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_pool import PagedKVPool, log_kv_cache, plan_num_blocks
@@ -89,7 +91,8 @@ class LLMEngine:
         self.sliding_window = config.cache.sliding_window or cfg.sliding_window
         self.max_model_len = cfg.max_position_embeddings
         cache, weight = config.cache, model.embed_tokens.weight
-        num_blocks = plan_num_blocks(cfg, cache, config.scheduler.max_num_seqs, weight.dtype)  # sized by bytes
+        kv_dtype = torch.int8 if cache.kv_cache_dtype == "int8" else weight.dtype  # chapter 07: KV int8
+        num_blocks = plan_num_blocks(cfg, cache, config.scheduler.max_num_seqs, kv_dtype)  # sized by bytes
         swap_blocks = 0
         if config.scheduler.preemption_mode == "swap":
             swap_blocks = num_blocks if cache.swap_space_blocks is None else cache.swap_space_blocks
@@ -102,7 +105,7 @@ class LLMEngine:
         # weights (engine/prefix_cache.py), so new weights never read the old weights' K/V.
         self.model_id = model_id or weights_id(config.model, cfg, model.state_dict().items())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.kv_pool = PagedKVPool.for_model(cfg, num_blocks, cache.block_size, weight.dtype, weight.device,
+        self.kv_pool = PagedKVPool.for_model(cfg, num_blocks, cache.block_size, kv_dtype, weight.device,
                                              swap_blocks, host_blocks)
         self.attention = PagedAttention(self.kv_pool, config.attention_backend, self.sliding_window)
         log_kv_cache(self.kv_pool, self.max_model_len)
@@ -121,8 +124,6 @@ class LLMEngine:
     def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32", attention_backend: str = "torch",
                         **options) -> LLMEngine:
         """Load a local Hugging Face-format folder or a bundled model by name; options: `engine_config`."""
-        import torch
-
         from engine.loader import load_model
 
         config = engine_config(model, dtype, attention_backend, **options)
@@ -427,7 +428,8 @@ class LLMEngine:
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
                       "enable_prefix_caching": self.config.cache.enable_prefix_caching,
-                      "sliding_window": self.sliding_window, "kv_offload_blocks": self.kv_pool.num_host_blocks,
+                      "sliding_window": self.sliding_window, "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+                      "kv_offload_blocks": self.kv_pool.num_host_blocks,
                       "kv_offload_bytes": self.kv_pool.host_nbytes,
                       "swap_space_bytes": self.kv_pool.swap_nbytes},
             "scheduler": {**dataclasses.asdict(self.config.scheduler),

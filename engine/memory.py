@@ -104,10 +104,18 @@ def kv_cache_bytes(layers: int, batch: int, tokens: int, kv_heads: int, head_dim
     return 2 * layers * batch * tokens * kv_heads * head_dim * half_bytes // 2
 
 
+KV_INT8_SCALE_BYTES = 4  # KV int8 keeps one fp32 scale per token, KV head and K/V (kernels/paged_attention)
+
+
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes of one paged KV block: the formula with B = 1 and T = block_size (K and V, every layer)."""
-    return kv_cache_bytes(model_config.num_hidden_layers, 1, block_size, model_config.num_key_value_heads,
-                          model_config.head_dim, dtype_bytes(dtype))
+    """Bytes of one paged KV block: the formula with B = 1 and T = block_size (K and V, every layer);
+    for int8 (``torch.int8`` or "int8") plus the per-token, per-head scales the paged pools keep."""
+    cfg = model_config
+    values = kv_cache_bytes(cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                            dtype_bytes(dtype))
+    if dtype is torch.int8 or (isinstance(dtype, str) and _DTYPE_ALIASES.get(dtype, dtype) == "int8"):
+        values += 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * KV_INT8_SCALE_BYTES
+    return values
 
 
 def num_kv_blocks(model_config: ModelConfig, block_size: int, dtype, budget_bytes: int) -> int:

@@ -18,6 +18,7 @@ layers (projections, MLP, norms) never mix tokens, so one packed row serves them
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -71,21 +72,26 @@ class PagedAttention:
         self.sliding_window = sliding_window  # Mistral: each query reads at most its last W positions
         self.scale = kv_pool.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
         self.backend = resolve_backend(backend, kv_pool.device)  # warns once here, not every layer
+        if self.backend == "cuda" and kv_pool.dtype == torch.int8:
+            warnings.warn("the CUDA paged-attention kernel has no int8 variant: int8 KV runs on 'torch'",
+                          RuntimeWarning, stacklevel=2)
+            self.backend = "torch"
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]: the packed batch is one row
         k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]  # [NB, BS, Hkv, D]
-        write_kv(k, v, k_pool, v_pool, meta.slot_mapping, backend=self.backend)
+        scales = self.kv_pool.scales(layer)  # int8 KV: (k_scale, v_scale) [NB, BS, Hkv]; else None
+        write_kv(k, v, k_pool, v_pool, meta.slot_mapping, backend=self.backend, scales=scales)
         out = torch.empty_like(q)  # [N, H, D]
         if meta.decode_rows.numel():
             rows = meta.decode_rows
             out[rows] = paged_decode_attention(q[rows], k_pool, v_pool, meta.decode_block_tables,
                                                meta.decode_seq_lens, self.scale, backend=self.backend,
-                                               sliding_window=self.sliding_window)
+                                               sliding_window=self.sliding_window, scales=scales)
         for chunk in meta.prefills:
             out[chunk.lo:chunk.hi] = paged_prefill_attention_ref(
                 q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale,
-                sliding_window=self.sliding_window)
+                sliding_window=self.sliding_window, scales=scales)
         return out[None]  # [1, N, H, D]
 
 

@@ -76,27 +76,34 @@ def resolve_backend(backend: str, device) -> str:
 
 
 def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: float, backend: str = "torch",
-                           sliding_window: int | None = None):
+                           sliding_window: int | None = None, scales=None):
     """Decode attention over a paged KV cache: q [B, H, D] -> [B, H, D]; with ``sliding_window`` = W
-    each query reads only its sequence's last W tokens (table entries before them are not read)."""
+    each query reads only its sequence's last W tokens (table entries before them are not read).
+    int8 pools need ``scales = (k_scale, v_scale)``; the CUDA kernel has no int8 variant (torch runs)."""
     chosen = resolve_backend(backend, q.device)
+    if chosen == "cuda" and scales is not None:
+        warnings.warn("the CUDA paged-attention kernel reads fp32/fp16/bf16 pools only; int8 KV uses 'torch'",
+                      RuntimeWarning, stacklevel=2)
+        chosen = "torch"
     if chosen == "triton":
         from .triton import paged_decode_attention_triton as run
     elif chosen == "cuda":
         from .cuda import paged_decode_attention_cuda as run
     else:
         run = paged_decode_attention_ref
-    return run(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
+    return run(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
 
 
-def write_kv(k, v, k_pool, v_pool, slot_mapping, backend: str = "torch") -> None:
-    """Write new tokens' K/V [N, Hkv, D] into their slots, in place.
+def write_kv(k, v, k_pool, v_pool, slot_mapping, backend: str = "torch", scales=None) -> None:
+    """Write new tokens' K/V [N, Hkv, D] into their slots, in place (quantized when the pools are int8).
 
     There is no CUDA write kernel: on a GPU, PyTorch's indexed assignment is already a single
-    scatter kernel, so "cuda" uses the torch path (silently: nothing is missing).
+    scatter kernel, so "cuda" uses the torch path (silently: nothing is missing). int8 writes
+    (quantize, then scatter) also run in PyTorch on every backend.
     """
-    if backend == "cuda":
-        backend = "torch"
+    if backend == "cuda" or scales is not None:
+        write_kv_ref(k, v, k_pool, v_pool, slot_mapping, scales)
+        return
     if resolve_backend(backend, k.device) == "triton":
         from .triton import write_kv_triton
 

@@ -48,9 +48,11 @@ def load_cuda_extension():
 
 
 def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
-                                sliding_window: int | None = None):
-    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
-    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
+                                sliding_window: int | None = None, scales=None):
+    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D] (float pools only)."""
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
+    if scales is not None:
+        raise ValueError("scales: the CUDA kernel reads float pools only; use backend 'torch' or 'triton' for int8 KV")
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs tensors on a CUDA device, got {q.device}")
     if q.shape[2] > MAX_HEAD_DIM:

@@ -27,6 +27,14 @@ Three functions, all written for reading, not speed:
 - ``paged_decode_attention_ref``: one new query per sequence against its whole cached past;
 - ``paged_prefill_attention_ref``: a chunk of queries of one sequence, causally.
 The ``check_*`` functions define the input contract that every backend enforces first.
+
+KV int8 (chapter 07, ``kv_cache_dtype="int8"``): the pools hold int8 values and every token's K (and V)
+row of every KV head has its own fp32 scale, ``scales = (k_scale, v_scale)``, each [NB, BS, Hkv]::
+
+    write:  scale = max|x| / 127 over the D values of one token and head;  q = round(x / scale)
+    read:   x ~ q * scale            (error <= scale / 2 per value; a row's outlier only hurts its own row)
+
+So a token costs D + 4 bytes per head instead of 2D (bf16) or 4D (fp32).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT8_MAX = 127  # symmetric int8: values -127..127 (we never use -128, so the range is symmetric)
 INDEX_DTYPE = torch.int32  # block tables and lengths: 2^31 blocks is far beyond any pool
 NULL_BLOCK = -1  # a table entry whose block was freed (it fell out of the sliding window); never read
 
@@ -59,17 +68,25 @@ def _fail(field: str, message: str):
     raise ValueError(f"{field}: {message}")
 
 
-def check_kv_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
-    """Both pools are [NB, BS, Hkv, D], same shape, dtype and device, floating point."""
+def check_kv_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, scales=None) -> None:
+    """Both pools are [NB, BS, Hkv, D], same shape, dtype and device: floating point, or int8 with
+    ``scales = (k_scale, v_scale)``, each fp32 [NB, BS, Hkv] on the same device."""
     if k_pool.dim() != 4:
         _fail("k_pool", f"expected 4 dims [NB, BS, Hkv, D], got shape {tuple(k_pool.shape)}")
     if v_pool.shape != k_pool.shape:
         _fail("v_pool", f"shape {tuple(v_pool.shape)} must equal k_pool's {tuple(k_pool.shape)}")
-    if k_pool.dtype not in FLOAT_DTYPES:
-        _fail("k_pool", f"dtype {k_pool.dtype} is not one of {FLOAT_DTYPES}")
+    if k_pool.dtype not in (*FLOAT_DTYPES, torch.int8):
+        _fail("k_pool", f"dtype {k_pool.dtype} is not one of {(*FLOAT_DTYPES, torch.int8)}")
     if v_pool.dtype != k_pool.dtype or v_pool.device != k_pool.device:
         _fail("v_pool", f"{v_pool.dtype} on {v_pool.device} must match "
                         f"k_pool's {k_pool.dtype} on {k_pool.device}")
+    if (k_pool.dtype == torch.int8) != (scales is not None):
+        _fail("scales", "int8 pools need scales = (k_scale, v_scale) and float pools take none; got "
+                        f"{'none' if scales is None else 'scales'} for {k_pool.dtype} pools")
+    for name, scale in zip(("k_scale", "v_scale"), scales, strict=True) if scales is not None else ():
+        if scale.shape != k_pool.shape[:3] or scale.dtype != torch.float32 or scale.device != k_pool.device:
+            _fail(name, f"expected fp32 [NB, BS, Hkv] = {list(k_pool.shape[:3])} on {k_pool.device}, got "
+                        f"{scale.dtype} {list(scale.shape)} on {scale.device}")
 
 
 def _check_index_tensor(name, t, dims, device, dtypes=(INDEX_DTYPE,)):
@@ -117,18 +134,19 @@ def _check_query(q, k_pool, scale: float) -> None:
         _fail("q", f"expected [B or T, H, D] with D = {head_dim} (the pools' head dim), got {tuple(q.shape)}")
     if q.shape[1] % num_kv_heads != 0:
         _fail("q", f"H = {q.shape[1]} query heads must be a multiple of Hkv = {num_kv_heads}")
-    if q.dtype != k_pool.dtype or q.device != k_pool.device:
+    wanted = FLOAT_DTYPES if k_pool.dtype == torch.int8 else (k_pool.dtype,)  # int8 pools: any float query
+    if q.dtype not in wanted or q.device != k_pool.device:
         _fail("q", f"{q.dtype} on {q.device} must match the pools' {k_pool.dtype} on {k_pool.device}")
     if not scale > 0:
         _fail("scale", f"must be > 0 (usually 1/sqrt(D)), got {scale}")
 
 
 def check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
-                       sliding_window: int | None = None) -> None:
+                       sliding_window: int | None = None, scales=None) -> None:
     """The decode contract: q [B, H, D], pools [NB, BS, Hkv, D], tables [B, max_blocks] int32,
     seq_lens [B] int32, sliding_window None or >= 1. Raises ValueError naming the field; reads
     nothing out of bounds."""
-    check_kv_pools(k_pool, v_pool)
+    check_kv_pools(k_pool, v_pool, scales)
     _check_query(q, k_pool, scale)
     check_sliding_window(sliding_window)
     _check_index_tensor("block_tables", block_tables, 2, q.device)
@@ -139,14 +157,16 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
     check_block_tables(block_tables, seq_lens, *k_pool.shape[:2], first_positions=first)
 
 
-def check_write_inputs(k, v, k_pool, v_pool, slot_mapping) -> None:
-    """k, v [N, Hkv, D] matching the pools; slot_mapping [N] int64 inside 0..NB*BS-1."""
-    check_kv_pools(k_pool, v_pool)
+def check_write_inputs(k, v, k_pool, v_pool, slot_mapping, scales=None) -> None:
+    """k, v [N, Hkv, D] matching the pools (any float type for int8 pools); slot_mapping [N] int64
+    inside 0..NB*BS-1."""
+    check_kv_pools(k_pool, v_pool, scales)
     num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
     for name, t in (("k", k), ("v", v)):
         if t.shape != (k.shape[0], num_kv_heads, head_dim):
             _fail(name, f"expected [N, Hkv, D] = [N, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
-        if t.dtype != k_pool.dtype or t.device != k_pool.device:
+        wanted = FLOAT_DTYPES if k_pool.dtype == torch.int8 else (k_pool.dtype,)
+        if t.dtype not in wanted or t.device != k_pool.device:
             _fail(name, f"{t.dtype} on {t.device} must match the pools' {k_pool.dtype} on {k_pool.device}")
     _check_index_tensor("slot_mapping", slot_mapping, 1, k.device, dtypes=(torch.int64,))
     if slot_mapping.shape[0] != k.shape[0]:
@@ -161,23 +181,40 @@ def check_write_inputs(k, v, k_pool, v_pool, slot_mapping) -> None:
 # ---- the operations ---------------------------------------------------------------------------
 
 
-def write_kv_ref(k, v, k_pool, v_pool, slot_mapping) -> None:
-    """Write token i's K/V rows into slot ``slot_mapping[i]`` of the pools, in place."""
-    check_write_inputs(k, v, k_pool, v_pool, slot_mapping)
+def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, Hkv, D] float -> (int8 [N, Hkv, D], fp32 scales [N, Hkv]): one scale per token and head."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX  # [N, Hkv]
+    q = (x / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def write_kv_ref(k, v, k_pool, v_pool, slot_mapping, scales=None) -> None:
+    """Write token i's K/V rows into slot ``slot_mapping[i]`` of the pools, in place (quantized to
+    int8, with their scales, when the pools are int8)."""
+    check_write_inputs(k, v, k_pool, v_pool, slot_mapping, scales)
     block_size = k_pool.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [N], [N]
-    k_pool[blocks, offsets] = k  # [N, Hkv, D] into N rows of the pool
-    v_pool[blocks, offsets] = v
+    if scales is None:
+        k_pool[blocks, offsets] = k  # [N, Hkv, D] into N rows of the pool
+        v_pool[blocks, offsets] = v
+        return
+    for x, pool, scale in ((k, k_pool, scales[0]), (v, v_pool, scales[1])):
+        pool[blocks, offsets], scale[blocks, offsets] = quantize_kv_int8(x)
 
 
-def gather_kv(k_pool, v_pool, block_table, num_tokens: int, first_block: int = 0):
+def gather_kv(k_pool, v_pool, block_table, num_tokens: int, first_block: int = 0, scales=None):
     """Follow one block table: the K and V of positions first_block * BS .. num_tokens - 1,
-    contiguous [L, Hkv, D] (blocks before ``first_block`` are skipped: a sliding window freed them)."""
+    contiguous [L, Hkv, D] (blocks before ``first_block`` are skipped: a sliding window freed them).
+    int8 pools come back dequantized to fp32."""
     _, block_size, num_kv_heads, head_dim = k_pool.shape
     blocks = block_table[first_block: (num_tokens + block_size - 1) // block_size].long()  # [n]
     L = num_tokens - first_block * block_size
     k = k_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:L]  # [n, BS, Hkv, D] -> [L, Hkv, D]
     v = v_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:L]
+    if scales is not None:  # dequantize: x = q * scale, one scale per token and head
+        k = k.float() * scales[0][blocks].reshape(-1, num_kv_heads)[:L, :, None]
+        v = v.float() * scales[1][blocks].reshape(-1, num_kv_heads)[:L, :, None]
     return k, v
 
 
@@ -194,23 +231,23 @@ def _attend(q, k, v, scale, mask=None):
 
 
 def paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
-                               sliding_window: int | None = None):
+                               sliding_window: int | None = None, scales=None):
     """One query per sequence: q [B, H, D] attends to the first seq_lens[b] cached tokens (only
     the last ``sliding_window`` of them when given)."""
-    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
     block_size = k_pool.shape[1]
     out = torch.empty_like(q)  # [B, H, D]
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
         first = first_visible_position(seq_len, sliding_window)
-        k, v = gather_kv(k_pool, v_pool, block_tables[b], seq_len, first // block_size)  # [L, Hkv, D]
+        k, v = gather_kv(k_pool, v_pool, block_tables[b], seq_len, first // block_size, scales)  # [L, Hkv, D]
         k, v = k[first % block_size:], v[first % block_size:]  # drop the block's slots before the window
         out[b] = _attend(q[b : b + 1], k, v, scale)[0]
     return out
 
 
 def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, scale: float,
-                                sliding_window: int | None = None):
+                                sliding_window: int | None = None, scales=None):
     """Queries of ONE sequence, q [Tq, H, D] at absolute positions q_positions [Tq], attend to
     every cached position <= their own (causal), and > their own - ``sliding_window`` when given.
     Their own K/V must already be in the pool.
@@ -218,7 +255,7 @@ def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, sca
     This is chunked prefill over a paged cache: chunk 2 of a prompt sees chunk 1 through the
     block table, and itself causally.
     """
-    check_kv_pools(k_pool, v_pool)
+    check_kv_pools(k_pool, v_pool, scales)
     _check_query(q, k_pool, scale)
     check_sliding_window(sliding_window)
     _check_index_tensor("block_table", block_table, 1, q.device)
@@ -238,7 +275,7 @@ def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, sca
     first_block = first // k_pool.shape[1]
     check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
                        first_positions=seq_lens * 0 + first)
-    k, v = gather_kv(k_pool, v_pool, block_table, context_len, first_block)  # [L, Hkv, D]
+    k, v = gather_kv(k_pool, v_pool, block_table, context_len, first_block, scales)  # [L, Hkv, D]
     key_positions = torch.arange(first_block * k_pool.shape[1], context_len, device=q.device)  # [L]
     mask = key_positions[None, :] <= q_positions[:, None]  # [Tq, L]
     if sliding_window is not None:

@@ -81,12 +81,13 @@ def decode_traffic_bytes(batch, context_len, num_heads, num_kv_heads, head_dim, 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr, stride_sn, stride_ss,  # int8 pools: fp32 scales [NB, BS, Hkv]
     scale_log2e, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BS_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BS_PAD: tl.constexpr, INT8_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,6 +114,9 @@ def _paged_decode_kernel(
         kv_mask = s_mask[:, None] & d_mask[None, :]
         k_rows = k_pool_ptr + phys * stride_kn + offs_s[:, None] * stride_ks + kv_head * stride_kh
         k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [BS, D]
+        if INT8_KV:  # dequantize in registers: one scale per token (and this KV head)
+            scale_rows = phys * stride_sn + offs_s * stride_ss + kv_head  # [BS]
+            k = k * tl.load(k_scale_ptr + scale_rows, mask=s_mask, other=0.0)[:, None]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale_log2e  # [G, BS]
         s = tl.where(s_mask[None, :], s, float("-inf"))
 
@@ -122,6 +126,8 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = v_pool_ptr + phys * stride_vn + offs_s[:, None] * stride_vs + kv_head * stride_vh
         v = tl.load(v_rows + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [BS, D]
+        if INT8_KV:
+            v = v * tl.load(v_scale_ptr + scale_rows, mask=s_mask, other=0.0)[:, None]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, D]
         m_i = m_new
 
@@ -163,9 +169,10 @@ def _require_unit_stride(name: str, t: torch.Tensor) -> None:
 
 
 def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
-                                  sliding_window: int | None = None):
-    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
-    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window)
+                                  sliding_window: int | None = None, scales=None):
+    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]; int8 pools are
+    dequantized in registers, block by block (the pool is read as int8: a quarter of fp32's bytes)."""
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
     _require_unit_stride("k_pool", k_pool)
     _require_unit_stride("v_pool", v_pool)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -173,12 +180,15 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, sca
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     batch, num_heads, head_dim = q.shape
+    k_scale, v_scale = (t.contiguous() for t in scales) if scales is not None else (seq_lens, seq_lens)  # unused
     _, block_size, num_kv_heads, _ = k_pool.shape
     group = num_heads // num_kv_heads
     if batch == 0:
         return out
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, k_pool, v_pool, block_tables, seq_lens, out,
+        k_scale, v_scale, k_scale.stride(0) if scales is not None else 0,
+        k_scale.stride(1) if scales is not None else 0,
         scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -186,7 +196,7 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, sca
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         GROUP_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(head_dim),
-        BS_PAD=triton.next_power_of_2(block_size),
+        BS_PAD=triton.next_power_of_2(block_size), INT8_KV=scales is not None,
     )
     return out
 
