@@ -28,6 +28,19 @@ def greedy_generate_fn(model: LlamaModel, tokenizer: Tokenizer, window: int | No
     return generate
 
 
+def engine_generate_fn(model: LlamaModel, tokenizer: Tokenizer, **engine_options):
+    """generate_fn through the paged engine (all prompts batched), e.g. ``kv_cache_dtype="int8"`` or
+    ``sliding_window=W``: the way to measure what an engine-side choice costs in task accuracy."""
+    from engine.llm import LLM
+
+    def generate(prompts: list[str], max_tokens: int) -> list[str]:
+        llm = LLM(model, tokenizer, **engine_options)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return [out.outputs[0].text for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    return generate
+
+
 def nll_fn_for(model: LlamaModel, tokenizer: Tokenizer):
     """nll_fn(prompt, target) -> (sum of -log p(target tokens | prompt), number of target tokens).
 
@@ -46,7 +59,12 @@ def nll_fn_for(model: LlamaModel, tokenizer: Tokenizer):
 
 
 def evaluate_model(model: LlamaModel, tokenizer: Tokenizer, task_names=tasks.TASKS, n: int = 100,
-                   window: int | None = None, progress: bool = True) -> list[dict]:
-    """Rows of {task, metric, value, n} for the held-out suite (see `tasks.format_table`)."""
-    return tasks.evaluate(greedy_generate_fn(model, tokenizer, window), tasks=task_names, n=n,
+                   window: int | None = None, progress: bool = True, kv_cache_dtype: str = "auto") -> list[dict]:
+    """Rows of {task, metric, value, n} for the held-out suite (see `tasks.format_table`). With
+    ``kv_cache_dtype="int8"`` completions come from the paged engine with int8 K/V (the story perplexity
+    is always the float model's: it scores one forward pass, no cache)."""
+    generate = greedy_generate_fn(model, tokenizer, window)
+    if kv_cache_dtype != "auto":
+        generate = engine_generate_fn(model, tokenizer, kv_cache_dtype=kv_cache_dtype, sliding_window=window)
+    return tasks.evaluate(generate, tasks=task_names, n=n,
                           nll_fn=nll_fn_for(model, tokenizer), progress=progress)
