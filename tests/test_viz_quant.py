@@ -14,6 +14,7 @@ from engine.viz.quant import (
     render_channel_max,
     render_gemv_bytes,
     render_granularity_error,
+    render_kv_int8,
     render_layer_speed,
     render_quality,
     render_weight_histogram,
@@ -123,3 +124,13 @@ def test_empty_inputs_are_named():
     for render, arg in ((render_quality, []), (render_layer_speed, []), (render_granularity_error, [])):
         with pytest.raises(ValueError, match="rows"):
             render(arg)
+
+
+def test_kv_int8_bars_have_the_bytes_and_times_they_were_given():
+    fig = render_kv_int8({"tiny": {"fp32": 3072, "int8": 864}, "real": {"fp32": 46080, "int8": 12240}},
+                         {"tiny": {"fp32": 2.0, "int8": 2.5}, "real": {"fp32": 40.0, "int8": 44.0}})
+    assert _by_gid(fig, "bar:bytes:real:int8").get_height() == 12240
+    assert _by_gid(fig, "bar:step:tiny:fp32").get_height() == 2.0
+    assert _by_gid(fig, "bar:bytes:tiny:fp32").get_facecolor() != _by_gid(fig, "bar:bytes:tiny:int8").get_facecolor()
+    with pytest.raises(ValueError, match="step_ms"):
+        render_kv_int8({"tiny": {"fp32": 1}}, {})

@@ -10,6 +10,7 @@
     render_layer_speed        speed-up over fp32 of each scheme, per layer shape, decode and prefill
     render_bytes_breakdown    a model's weight bytes by kind, one bar per scheme (what was NOT quantized)
     render_quality            one small panel per task metric, one bar per scheme, fp32 as a dashed line
+    render_kv_int8            KV int8: bytes per token per KV dtype (scales included), and decode step time
 
 The functions draw the numbers they are given (the notebook measures them) and return a Figure that
 pyplot does not keep. Artists carry a ``gid`` so tests can find them: a bar is "bar:<panel>:<label>".
@@ -241,4 +242,39 @@ def render_quality(rows: Sequence[Mapping], reference: str = "fp32") -> Figure:
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"Task scores by scheme (dashed: {reference})")
+    return fig
+
+
+# ---- KV int8 ------------------------------------------------------------------------------------------
+
+
+def render_kv_int8(bytes_per_token: Mapping[str, Mapping[str, float]],
+                   step_ms: Mapping[str, Mapping[str, float]], backend_note: str = "") -> Figure:
+    """Left: KV bytes per token, {model: {kv dtype: bytes}}; right: an engine decode step's time,
+    {model: {kv dtype: ms}}. One group of bars per model, one bar per KV dtype."""
+    for field, data in (("bytes_per_token", bytes_per_token), ("step_ms", step_ms)):
+        _require("render_kv_int8", field, bool(data) and all(bool(v) for v in data.values()),
+                 "must map each model to {kv dtype: value}, got an empty mapping")
+    fig, axes = _new_figure((FIGSIZE[0] + 1.5, 3.6), ncols=2)
+    panels = ((axes[0], "bytes", bytes_per_token, "KV bytes per token (all layers)", "{:,.0f} B"),
+              (axes[1], "step", step_ms, "decode step, ms (median)", "{:.2f}"))
+    for ax, panel, data, ylabel, fmt in panels:
+        models = list(data)
+        dtypes = list(dict.fromkeys(d for v in data.values() for d in v))
+        width = 0.8 / len(dtypes)
+        for j, dtype in enumerate(dtypes):
+            color = f"C{j}"
+            for i, model in enumerate(models):
+                if dtype not in data[model]:
+                    continue
+                x, value = i + (j - (len(dtypes) - 1) / 2) * width, float(data[model][dtype])
+                ax.bar(x, value, width, color=color, label=dtype if i == 0 else None,
+                       gid=f"bar:{panel}:{model}:{dtype}")
+                ax.text(x, value, fmt.format(value), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylim(0, max(v for d in data.values() for v in d.values()) * VALUE_HEADROOM)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0].set_title("int8 K/V: a quarter of fp32, plus one scale per token and head", fontsize=9)
+    axes[1].set_title("...but the torch path dequantizes before it attends" + backend_note, fontsize=9)
     return fig
