@@ -40,11 +40,13 @@ def bundled_model_path(name: str) -> Path:
 def resolve_model_path(path_or_name: str | Path) -> Path:
     """A folder to load: the path itself, a bundled model, or the cached conversion of a GGUF file
     (a packaged model such as "smollm2-135m-instruct", or a path ending in .gguf; see engine/gguf.py)."""
-    from engine import gguf  # imported here: only GGUF models pay for the `gguf` package's import
-
     path = Path(path_or_name)
     if not path.exists() and bundled_model_path(str(path_or_name)).exists():
-        path = bundled_model_path(str(path_or_name))
+        return bundled_model_path(str(path_or_name))
+    if path.is_dir():
+        return path
+    from engine import gguf  # imported here: only GGUF models pay for the `gguf` package's import
+
     if str(path_or_name) in gguf.PACKAGED_MODELS or (path.is_file() and path.suffix == ".gguf"):
         return gguf.gguf_model_folder(path_or_name)
     if not path.is_dir():

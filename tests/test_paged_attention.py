@@ -209,10 +209,10 @@ BAD_INPUTS = {  # what we break -> the field the message must name
 @pytest.mark.parametrize("backend", sorted(DECODERS))
 @pytest.mark.parametrize("how", sorted(BAD_INPUTS))
 def test_bad_decode_input_raises_value_error_naming_the_field(backend, how):
-    pool = torch.zeros(8, 4, 2, 8)  # NB = 8 blocks of BS = 4, Hkv = 2, D = 8
-    inputs = dict(q=torch.zeros(2, 4, 8), k_pool=pool, v_pool=pool.clone(),
-                  block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),  # capacity 12
-                  seq_lens=torch.tensor([4, 7], dtype=torch.int32), scale=0.5)
+    pool = torch.zeros(8, 4, 2, 8, device=DEVICE)  # NB = 8 blocks of BS = 4, Hkv = 2, D = 8
+    inputs = dict(q=torch.zeros(2, 4, 8, device=DEVICE), k_pool=pool, v_pool=pool.clone(),
+                  block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=DEVICE),  # capacity 12
+                  seq_lens=torch.tensor([4, 7], dtype=torch.int32, device=DEVICE), scale=0.5)
     DECODERS[backend](**inputs)  # the clean version runs
     _break(inputs, how)
     with pytest.raises(ValueError, match=BAD_INPUTS[how]):
@@ -221,12 +221,12 @@ def test_bad_decode_input_raises_value_error_naming_the_field(backend, how):
 
 @pytest.mark.parametrize("writer", [write_kv_ref, triton_backend.write_kv_triton])
 def test_bad_slot_mapping_raises_value_error(writer):
-    k_pool, v_pool = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
-    k = v = torch.ones(2, 1, 8)
+    k_pool, v_pool = torch.zeros(2, 4, 1, 8, device=DEVICE), torch.zeros(2, 4, 1, 8, device=DEVICE)
+    k = v = torch.ones(2, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 8 is outside 0\.\.7"):
-        writer(k, v, k_pool, v_pool, torch.tensor([0, 8]))
+        writer(k, v, k_pool, v_pool, torch.tensor([0, 8], device=DEVICE))
     with pytest.raises(ValueError, match="slot_mapping: dtype torch.int32"):
-        writer(k, v, k_pool, v_pool, torch.tensor([0, 1], dtype=torch.int32))
+        writer(k, v, k_pool, v_pool, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
     assert not k_pool.any() and not v_pool.any()  # nothing written
 
 
