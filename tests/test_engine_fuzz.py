@@ -2,8 +2,9 @@
 
 Each trial draws a configuration (policy, preemption mode, a tiny pool, chunked prefill or not, prefix
 caching or not, with or without a host tier, a sliding window or not) and then, step by step: arrivals
-(n up to 3, some starting with an earlier prompt), bad prompts (which must raise and leave no trace), aborts of whole requests, of single samples "<id>#i" and of finished ones, and now and then a step
-whose forward or sampler raises. After EVERY step we check the invariants below; at the end every request
+(n up to 3, some starting with an earlier prompt), bad prompts (which must raise and leave no trace),
+aborts of whole requests, of single samples "<id>#i" and of finished ones, and now and then a step whose
+forward or sampler raises. After EVERY step we check the invariants below; at the end every request
 is finished, the greedy outputs of the ones that were neither aborted nor failed equal the naive loop's
 (and the others' are a prefix of it), and every block is free (or free but cached).
 """
