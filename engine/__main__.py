@@ -47,7 +47,7 @@ def cmd_eval(args) -> None:
     bytes_line = _quantize_for_eval(model, tok, args)
     names = tuple(args.tasks.split(",")) if args.tasks else tasks.TASKS
     start = time.perf_counter()
-    rows = evaluate_model(model, tok, names, n=args.n, window=args.window)
+    rows = evaluate_model(model, tok, names, n=args.n, window=args.window, kv_cache_dtype=args.kv_cache_dtype)
     print(tasks.format_table(rows))
     print(f"\n{args.model}: {args.n} examples per task in {time.perf_counter() - start:.0f} s")
     print(bytes_line)
@@ -171,6 +171,46 @@ def cmd_chat(args) -> None:
               f"{r['finish_reason']}]", flush=True)
 
 
+def cmd_serve(args) -> None:
+    from engine.llm_engine import LLMEngine
+    from engine.server import build_app, serve
+
+    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "enable_chunked_prefill": args.enable_chunked_prefill, "block_size": args.block_size,
+               "enable_prefix_caching": args.enable_prefix_caching}
+    engine = LLMEngine.from_pretrained(args.model, args.dtype, **{k: v for k, v in options.items() if v is not None})
+    serve(build_app(engine, args.served_model_name or args.model), args.host, args.port)
+
+
+def cmd_bench_serve(args) -> None:
+    from engine.bench_serve import run_cli
+
+    run_cli(args)
+
+
+def _add_serve_parsers(sub) -> None:
+    """`serve` and `bench serve` (chapter 09), with vLLM's flag names."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming, /metrics)")
+    s.add_argument("--model", default="tinylab")
+    s.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="0.0.0.0 lets other machines (a classroom) in")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", default="float32", choices=DTYPES)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--enable-chunked-prefill", action="store_true", default=None)
+    s.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    s.add_argument("--block-size", type=int, default=None)
+    s.set_defaults(func=cmd_serve)
+    from engine.bench_serve import add_arguments
+
+    b = sub.add_parser("bench", help="benchmarks: `bench serve` loads a running server like vLLM's")
+    bench = b.add_subparsers(dest="bench_command", required=True)
+    bs = bench.add_parser("serve", help="send a workload to a server and report TTFT/TPOT/ITL/E2E/goodput")
+    add_arguments(bs)
+    bs.set_defaults(func=cmd_bench_serve)
+
+
 def _quant_schemes() -> list[str]:
     from engine.quantization import SCHEMES
 
@@ -199,6 +239,8 @@ def main(argv=None) -> None:
     e.add_argument("--tasks", default=None, help="comma-separated subset of arith,recall,json,refuse,story")
     e.add_argument("--n", type=int, default=100)
     e.add_argument("--window", type=int, default=None, help="sliding-window KV cache of this many tokens")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: generate through the paged engine with int8 K/V (chapter 07)")
     e.add_argument("--quant", default=None, choices=[*_quant_schemes(), "gguf"],
                    help="quantize the decoder linears first (chapter 07); gguf: keep a GGUF model's own blocks")
     e.add_argument("--quant-backend", default="torch", choices=["torch", "packed", "triton", "cuda"],
@@ -217,8 +259,9 @@ def main(argv=None) -> None:
     k.set_defaults(func=cmd_kv_size)
     t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
-    t.add_argument("--recipe", default="first", choices=["first", "lookup"],
-                   help="first: the first tinylab's recipe; lookup: the lookup curriculum (engine/lab/training.py)")
+    t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend"],
+                   help="first: the first tinylab's recipe; lookup: the lookup curriculum; polish: a short pass "
+                        "after lookup; extend: lookup continued from its step 2000 (engine/lab/training.py)")
     t.add_argument("--tokens", type=int, default=None, help="training tokens (default: the recipe's)")
     t.add_argument("--recall-drills", type=int, default=None, help="extra lookups per recall document")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
@@ -237,6 +280,7 @@ def main(argv=None) -> None:
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=cmd_chat)
+    _add_serve_parsers(sub)
     args = p.parse_args(argv)
     try:
         args.func(args)

@@ -97,6 +97,15 @@ def mean(values: Iterable[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def std(values: Iterable[float]) -> float:
+    """The population standard deviation of the measured values (numpy's default, ddof=0); nan when none."""
+    values = _observed(values)
+    if not values:
+        return math.nan
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+
+
 def jain_fairness(values: Iterable[float]) -> float:
     """Jain's index (sum x)^2 / (n * sum x^2): 1 when every x is equal, 1/n when one gets everything."""
     values = _observed(values)
@@ -209,6 +218,17 @@ class RequestTiming:
         return float(self.first_token_step - self.arrival_step + 1)
 
 
+def request_observations(r: RequestTiming) -> dict[str, list[float]]:
+    """What one finished request adds to each per-request histogram, keyed like `VLLM_NAMES` (a server's
+    /metrics observes these; ITL gives one value per token gap, the others one each). Latencies a request
+    does not have (TPOT of a one-token answer, TTFT of a request aborted before its first token) are left
+    out, as vLLM does."""
+    values = {"queue_s": [r.queue_s], "ttft_s": [r.ttft_s], "itl_s": r.itl_s, "tpot_s": [r.tpot_s],
+              "e2e_s": [r.e2e_s], "prompt_tokens": [float(r.prompt_tokens)],
+              "output_tokens": [float(r.output_tokens)]}
+    return {name: _observed(v) for name, v in values.items()}
+
+
 def requests_from_trace(trace: Trace) -> list[RequestTiming]:
     """Every request of a trace, in arrival order, with its token times (each token at the end of the
     step that sampled it) and first scheduled time (the start of the first step that fed it)."""
@@ -235,21 +255,25 @@ def requests_from_trace(trace: Trace) -> list[RequestTiming]:
 @dataclass(frozen=True)
 class SLO:
     """A latency promise per request: first token within `ttft_s`, then a pace of at most `tpot_s`
-    seconds per token (math.inf switches one of them off)."""
+    seconds per token, and (optionally) the whole answer within `e2e_s` (math.inf switches one off;
+    vLLM's `--goodput ttft:ms tpot:ms e2el:ms`)."""
 
     ttft_s: float
     tpot_s: float
+    e2e_s: float = math.inf
 
     def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
+        for name in ("ttft_s", "tpot_s", "e2e_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"SLO.{name}={value!r} must be > 0 seconds (math.inf: no limit)")
 
     def met_by(self, r: RequestTiming) -> bool:
-        """Did this request finish (not aborted) within both limits? A one-token answer has no TPOT
+        """Did this request finish (not aborted) within every limit? A one-token answer has no TPOT
         and cannot miss the pace limit."""
         if not r.finished or r.finish_reason == "abort" or not r.ttft_s <= self.ttft_s:
+            return False
+        if not r.e2e_s <= self.e2e_s:
             return False
         return math.isnan(r.tpot_s) or r.tpot_s <= self.tpot_s
 

@@ -72,6 +72,8 @@ class TrainConfig:
     pointer_loss_weight: float = 0.0  # > 0: also teach one head where each answer digit is (see `pointer_loss`)
     pointer_layer: int = -1  # the layer of that head (-1: the last)
     pointer_head: int = 0  # the query head that learns to point
+    pointer_words: bool = False  # also point json/refuse answer words at their copy in the prompt (`word_pointers`)
+    first_step: int = 0  # a recipe that continues another run starts (and warms up) at this step
     probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
     probe_n: int = 64  # probe examples per task
     tokenizer_path: str | None = None  # reuse this tokenizer.json (token ids stay comparable) instead of training one
@@ -105,6 +107,15 @@ RECIPES = {
         probe_n=48,
         checkpoint_every_steps=50,
         mix={"arith": 0.25, "recall": 0.5, "json": 0.12, "refuse": 0.03, "story": 0.10}),
+    "polish": dict(  # after "lookup": a short low-lr pass with more arithmetic and refusals (they had slipped)
+        bf16_autocast=False, batch_rows=4, total_tokens=614_400, warmup_steps=10, decay_steps=150, lr=3e-4,
+        pointer_loss_weight=1.0, recall_questions=8, probe_every=100, probe_n=48, checkpoint_every_steps=50,
+        mix={"arith": 0.35, "recall": 0.35, "json": 0.12, "refuse": 0.10, "story": 0.08}),
+    "extend": dict(  # after "lookup" (resume at its step 2000): the real documents at 512 tokens, and words copied too
+        bf16_autocast=False, batch_rows=4, total_tokens=3_500 * 2048, first_step=2000, warmup_steps=50,
+        decay_steps=500, lr=1e-3, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
+        probe_every=100, probe_n=48, checkpoint_every_steps=50,
+        mix={"arith": 0.27, "recall": 0.45, "json": 0.15, "refuse": 0.06, "story": 0.07}),
 }
 
 
@@ -240,7 +251,35 @@ def documents(tok: Tokenizer, cfg: TrainConfig, seed: int, clock: list[int]):
                 yield ids, weights, copy_pointers(tok, ids, weights)
         else:
             ids, weights = encode_example(tok, ex, cfg.prompt_loss_weight)
-            yield ids, weights, [-1] * len(ids)
+            copies = cfg.pointer_words and ex.task in WORD_COPY_TASKS
+            yield ids, weights, word_pointers(tok, ids, weights) if copies else [-1] * len(ids)
+
+
+WORD_COPY_TASKS = ("json", "refuse")  # answers that copy words of the prompt ("called Kofi" -> "Kofi")
+
+
+def word_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[int]:
+    """For each position that predicts a supervised token whose text (without spaces) occurs exactly
+    once in the prompt, that occurrence (-1 elsewhere): the attention target of `pointer_loss` for
+    copied words, as `copy_pointers` is for recall digits.
+
+        Make JSON: aged 55, called Kofi.\nJSON: {"age": 55, "name": "Kofi"}
+                                   ^^^^^                          ^^^^ pointers[t - 1] = source
+
+    A word that occurs twice in the prompt (or not at all) gets no pointer: we would not know which."""
+    text = [tok.id_to_token(i) for i in ids]
+    clean = [tok.decode([i]).strip() for i in ids]
+    answer_start = next((t for t, w in enumerate(weights) if w > 0), len(ids))
+    seen: dict[str, list[int]] = {}
+    for s in range(1, answer_start):  # position 0 is BOS
+        if clean[s] and clean[s][0].isalnum():
+            seen.setdefault(clean[s], []).append(s)
+    pointers = [-1] * len(ids)
+    for t in range(answer_start, len(ids)):
+        sources = seen.get(clean[t], [])
+        if weights[t] > 0 and len(sources) == 1 and text[t] != EOS:
+            pointers[t - 1] = sources[0]
+    return pointers
 
 
 def copy_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[int]:
@@ -319,8 +358,8 @@ def batches(tok: Tokenizer, cfg: TrainConfig, seed: int, start_step: int = 0):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if step - cfg.first_step < cfg.warmup_steps:
+        return cfg.lr * (step - cfg.first_step + 1) / cfg.warmup_steps
     if cfg.decay_steps:  # warm-up, stable, decay: a run can be extended before its decay starts
         left = (cfg.steps - step) / cfg.decay_steps
         return cfg.lr * (cfg.min_lr_fraction + (1 - cfg.min_lr_fraction) * min(1.0, max(0.0, left)))

@@ -1,0 +1,621 @@
+"""An OpenAI-compatible HTTP server over the step-through engine (chapter 09), on FastAPI + uvicorn.
+
+    python -m engine serve --model tinylab --port 8000
+    curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "tinylab", "prompt": "12+7=", "max_tokens": 8, "temperature": 0, "stream": true}'
+
+Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's request and response shapes; with
+"stream": true, server-sent events), GET /v1/models, /health and /metrics (Prometheus text, vLLM's names).
+
+A request's way through the server, one direction only:
+
+    HTTP body ──► read (at most max_request_bytes, else 413) ──► JSON (else 400) ──► typed fields (else 400)
+      ──► model name (else 404) ──► tokenize, check the context and n (else 400) ──► SamplingParams
+      ──► AsyncLLMEngine.add_request (the engine's own checks, else 400) ──► one update per engine step
+      ──► SSE chunks `data: {...}` ... `data: [DONE]`   (or one JSON body when "stream" is false)
+
+Every refusal happens before the engine is touched, or inside `LLMEngine.add_request`, which keeps nothing
+from a request it rejects: a bad request leaves no trace, and everybody else is served as before. Errors
+have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so clients raise their usual
+exceptions (`openai.BadRequestError`, `openai.NotFoundError`, ...).
+
+A client that hangs up (closes the stream, or gives up on a non-streamed request) aborts its request:
+its KV blocks are back in the pool before the engine's next step.
+
+Extras beyond OpenAI's fields, with vLLM's names: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, and return_token_ids (each choice then carries its "token_ids"). OpenAI's `user` becomes
+the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant metrics buckets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
+from engine.llm_engine import LLMEngine
+from engine.metrics import VLLM_NAMES, RequestTiming, prefix_cache_stats, request_observations
+from engine.sampling import SamplingParams
+from engine.trace import StepReport, Trace
+
+# 1 MiB: about 250k tokens of English text, far more than any context we serve. A bigger body is refused
+# (413) before it is read, so one huge upload cannot fill the server's memory.
+MAX_REQUEST_BYTES = 1 << 20
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+SHOWN_INPUT_CHARS = 60  # an error message quotes at most this much of a bad value
+STARTUP_WAIT_S = 30.0  # BackgroundServer: how long to wait for uvicorn to listen
+STARTUP_POLL_S = 0.01
+GRACEFUL_SHUTDOWN_S = 5.0  # BackgroundServer.stop: how long open streams may go on before they are cut
+
+
+# ---- errors in OpenAI's shape ------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An HTTP error with OpenAI's JSON body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param, code)
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= SHOWN_INPUT_CHARS else text[:SHOWN_INPUT_CHARS] + "..."
+
+
+def _validation_error(e: ValidationError) -> OpenAIError:
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first["loc"][:1]) or None
+    return bad_request(f"{param}: {first['msg']} (got {_short(first.get('input'))}); see OpenAI's API reference "
+                       "for the field's type", param, "invalid_type")
+
+
+# ---- the request bodies (OpenAI's fields, plus vLLM's sampling extras) ---------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share. Strict: "16" is not a number; unknown fields are ignored (as vLLM)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int = 0  # vLLM's extras from here on
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str
+    text: str = ""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+
+
+# ---- Prometheus /metrics with vLLM's names -------------------------------------------------------------
+
+# vLLM's histogram buckets (seconds), with finer ones in front: a small model on a CPU answers in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+HISTOGRAMS = {  # RequestTiming quantity (engine/metrics.py) -> (help, buckets)
+    "ttft_s": ("Time to first token (arrival -> first token), seconds.", TTFT_BUCKETS),
+    "itl_s": ("Inter-token latency (the gap before each token after the first), seconds.", TOKEN_GAP_BUCKETS),
+    "tpot_s": ("Time per output token after the first, per request, seconds.", TOKEN_GAP_BUCKETS),
+    "e2e_s": ("End-to-end request latency (arrival -> finish), seconds.", REQUEST_BUCKETS),
+    "queue_s": ("Time spent waiting before first scheduled, seconds.", REQUEST_BUCKETS),
+    "prompt_tokens": ("Prompt tokens per request.", TOKEN_COUNT_BUCKETS),
+    "output_tokens": ("Generated tokens per request.", TOKEN_COUNT_BUCKETS),
+}
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics, in a registry of its own (two servers in one process never mix).
+
+    Per-request histograms are fed by `on_finish` with each finished sequence's `RequestTiming`, so every
+    latency comes from `engine.metrics` (`request_observations`); token and prefix-cache counters by
+    `on_step` from each `StepReport`; the gauges (running, waiting, KV usage) are read at scrape time."""
+
+    def __init__(self, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        label = {"model_name": model_name}
+
+        def make(kind, name, doc, **kw):
+            return kind(name, doc, ["model_name"], registry=registry, **kw).labels(**label)
+
+        self.histograms = {key: make(Histogram, VLLM_NAMES[key], doc, buckets=buckets)
+                           for key, (doc, buckets) in HISTOGRAMS.items()}
+        self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Prompt tokens of the requests served.")
+        self.generation_tokens = make(Counter, "vllm:generation_tokens", "Tokens generated.")
+        self.prefix_queries = make(Counter, VLLM_NAMES["prefix_cache_queries"],
+                                   "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = make(Counter, VLLM_NAMES["prefix_cache_hits"], "Of those, tokens found cached.")
+        self.preemptions = make(Counter, VLLM_NAMES["preemptions"], "Preemptions (recompute or swap).")
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.running = make(Gauge, "vllm:num_requests_running", "Sequences holding KV blocks (running).")
+        self.waiting = make(Gauge, "vllm:num_requests_waiting", "Sequences waiting for a seat.")
+        self.swapped = make(Gauge, "vllm:num_requests_swapped", "Sequences swapped out to the CPU pool.")
+        self.kv_usage = make(Gauge, "vllm:kv_cache_usage_perc", "KV blocks in use, as a fraction (1 = full).")
+        self.model_name = model_name
+
+    def on_step(self, report: StepReport) -> None:
+        self.generation_tokens.inc(sum(s.tokens_out for s in report.scheduled))
+        stats = prefix_cache_stats(Trace(steps=[report]))
+        self.prefix_queries.inc(stats.queries)
+        self.prefix_hits.inc(stats.hits)
+        self.preemptions.inc(sum(e.get("type") == "preempted" for e in report.events))
+
+    def on_finish(self, timing: RequestTiming, sample_index: int) -> None:
+        for key, values in request_observations(timing).items():
+            if key == "prompt_tokens" and sample_index > 0:
+                continue  # one prompt, n samples: counted once
+            for v in values:
+                self.histograms[key].observe(v)
+        if sample_index == 0 and timing.output_tokens > 0:  # its prompt was prefilled
+            self.prompt_tokens.inc(timing.prompt_tokens)
+        self.success.labels(self.model_name, timing.finish_reason or "unknown").inc()
+
+    def set_gauges(self, engine: LLMEngine) -> None:
+        """On the engine thread, between two steps: the queues and the pool as they are now."""
+        s, usage = engine.scheduler, engine.block_manager.usage()
+        self.running.set(len(s.running))
+        self.waiting.set(len(s.waiting))
+        self.swapped.set(len(s.swapped))
+        self.kv_usage.set(usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ---- the server -----------------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """The handlers, holding everything they need (no module-level state): the engine front, the served
+    model's name, its context length and the metrics. `build_app` wires them into a FastAPI app."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYTES):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs a model with a tokenizer (prompts arrive as text)")
+        self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
+        self.max_model_len = engine.max_model_len
+        self.max_n = engine.config.scheduler.max_num_seqs
+        self.metrics = ServerMetrics(model_name)
+        self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
+        self.created = int(time.time())
+
+    # ---- GET endpoints ----------------------------------------------------------------------------
+    async def health(self) -> Response:
+        ok = self.front.is_running
+        return Response(status_code=200 if ok else 503, content=b"" if ok else b"engine thread is not running")
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "servelab", "root": self.model_name,
+                                            "max_model_len": self.max_model_len}]}
+
+    async def metrics_text(self) -> Response:
+        if self.front.is_running:
+            await self.front.run(self.metrics.set_gauges)
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- POST endpoints ---------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        prompt = self._completion_prompt(body)
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
+        room = self._check_context(len(ids), "prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+        return await self._serve(request, body, ids, max_tokens, "cmpl", _CompletionShape())
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        if body.logprobs:
+            raise bad_request("logprobs are not supported by this server yet; leave it false", "logprobs")
+        messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+        tok = self.engine.tokenizer
+        try:  # the same prompt as LLM.chat: the model's template, tokenized as it stands
+            text = tok.apply_chat_template(messages)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        ids = await asyncio.to_thread(tok.encode, text, False)
+        room = self._check_context(len(ids), "messages")
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await self._serve(request, body, ids, room if asked is None else asked, "chatcmpl", _ChatShape())
+
+    # ---- the shared path ------------------------------------------------------------------------------
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        data = await self._read_json(request)
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if body.model != self.model_name:
+            raise OpenAIError(404, f"The model `{body.model}` does not exist. This server serves "
+                              f"{self.model_name!r} (GET /v1/models lists it).", "model", "model_not_found")
+        if not 1 <= body.n <= self.max_n:
+            raise bad_request(f"n={body.n}: this server runs at most max_num_seqs={self.max_n} sequences "
+                              f"together, so n must be in [1, {self.max_n}]", "n")
+        return body
+
+    async def _read_json(self, request: Request) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise self._too_large(int(declared))
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                raise self._too_large(len(body))
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON ({e}); send one JSON object", None,
+                              "invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request(f"the request body must be a JSON object, got a {type(data).__name__}")
+        return data
+
+    def _too_large(self, size: int) -> OpenAIError:
+        return OpenAIError(413, f"the request body has {size} bytes or more; this server accepts at most "
+                           f"{self.max_request_bytes} (max_request_bytes): send a shorter prompt",
+                           None, "request_too_large")
+
+    @staticmethod
+    def _completion_prompt(body: CompletionRequest) -> str | list[int]:
+        for name, bad in (("logprobs", body.logprobs is not None), ("echo", body.echo),
+                          ("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, body.n))):
+            if bad:
+                raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(f"prompt: got a batch of {len(prompt)} prompts; this server takes one prompt "
+                                  "per request (send them as separate requests: they are batched anyway)", "prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("prompt is empty; give at least one character or token id", "prompt")
+        return prompt
+
+    def _check_context(self, n_prompt: int, param: str) -> int:
+        """The room left for the answer; a prompt that fills the context is refused."""
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                              f"{param} has {n_prompt} tokens, leaving no room for an answer. Please shorten "
+                              f"the {param}.", param, "context_length_exceeded")
+        return room
+
+    def _params(self, body: _Sampling, n_prompt: int, max_tokens: int) -> SamplingParams:
+        if n_prompt + max_tokens > self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for "
+                              f"the completion). Please reduce max_tokens to at most {self.max_model_len - n_prompt}"
+                              " or shorten the prompt.", "max_tokens", "context_length_exceeded")
+        try:
+            return SamplingParams(
+                n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens,
+                min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
+                ignore_eos=body.ignore_eos)
+        except ValueError as e:  # "SamplingParams.<field>=... is not allowed: ..."
+            field = str(e).split("=", 1)[0].removeprefix("SamplingParams.")
+            raise bad_request(str(e), field if field.isidentifier() else None) from None
+
+    async def _serve(self, request: Request, body: _Sampling, ids: list[int], max_tokens: int, kind: str,
+                     shape: _Shape) -> Response:
+        params = self._params(body, len(ids), max_tokens)
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        try:
+            stream = await self.front.add_request(ids, params, request_id, tenant=body.user)
+        except (ValueError, TypeError) as e:  # the engine's checks: it kept nothing
+            raise bad_request(str(e)) from None
+        reply = _Reply(request_id, int(time.time()), self.model_name, body, shape)
+        if body.stream:
+            return StreamingResponse(_sse(stream, reply), media_type="text/event-stream")
+        updates = await _collect(stream, request)
+        if updates is None:  # the client hung up: nobody to answer
+            return Response(status_code=499)
+        return reply.whole(updates)
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict:
+    """An OpenAI message as the chat template wants it: text content only ("developer" is a system turn)."""
+    content = m.content or ""
+    if isinstance(content, list):
+        if any(p.type != "text" for p in content):
+            raise bad_request(f"messages[{i}].content: only text parts are supported (type 'text')", "messages")
+        content = "".join(p.text for p in content)
+    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+
+
+# ---- response shapes: one class per endpoint, one _Reply per request -----------------------------------------
+
+
+class _Shape:
+    object_whole: str
+    object_chunk: str
+
+    def choice_chunk(self, index: int, text: str, reason: str | None, first: bool) -> dict:
+        raise NotImplementedError
+
+    def choice_whole(self, index: int, text: str, reason: str | None) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionShape(_Shape):
+    object_whole = object_chunk = "text_completion"
+
+    def choice_chunk(self, index, text, reason, first):
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+    def choice_whole(self, index, text, reason):
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+class _ChatShape(_Shape):
+    object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def choice_chunk(self, index, text, reason, first):
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    def choice_whole(self, index, text, reason):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+
+
+class _Reply:
+    """Turns one request's `RequestUpdate`s into OpenAI chunks (streaming) or one response body."""
+
+    def __init__(self, request_id: str, created: int, model: str, body: _Sampling, shape: _Shape):
+        self.id, self.created, self.model = request_id, created, model
+        self.shape, self.n = shape, body.n
+        self.usage_chunks = bool(body.stream_options and body.stream_options.include_usage)
+        self.token_ids = body.return_token_ids
+        self.started: set[int] = set()
+
+    def chunks(self, update: RequestUpdate) -> list[dict]:
+        """One chunk per sample that changed in this step (one token each); then, at the end, usage."""
+        out = []
+        for d in update.deltas:
+            if d.finish_reason == "error":
+                out.append(OpenAIError(500, f"the engine failed while serving this request: {d.error}",
+                                       None, "engine_error", "server_error").body())
+                continue
+            choice = self.shape.choice_chunk(d.index, d.text, d.finish_reason, d.index not in self.started)
+            self.started.add(d.index)
+            if self.token_ids:
+                choice["token_ids"] = d.token_ids
+            chunk = {**self._head(self.shape.object_chunk), "choices": [choice]}
+            out.append({**chunk, "usage": None} if self.usage_chunks else chunk)
+        if update.finished and self.usage_chunks:
+            out.append({**self._head(self.shape.object_chunk), "choices": [], "usage": _usage(update)})
+        return out
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, updates: list[RequestUpdate]) -> Response:
+        texts, tokens, reasons = [""] * self.n, [[] for _ in range(self.n)], [None] * self.n
+        for u in updates:
+            for d in u.deltas:
+                texts[d.index] += d.text
+                tokens[d.index] += d.token_ids
+                if d.finish_reason == "error":
+                    return OpenAIError(500, f"the engine failed while serving this request: {d.error}",
+                                       None, "engine_error", "server_error").response()
+                reasons[d.index] = d.finish_reason or reasons[d.index]
+        choices = [self.shape.choice_whole(i, texts[i], reasons[i]) for i in range(self.n)]
+        if self.token_ids:
+            for c, ids in zip(choices, tokens, strict=True):
+                c["token_ids"] = ids
+        body = {**self._head(self.shape.object_whole), "choices": choices, "usage": _usage(updates[-1])}
+        return JSONResponse(body)
+
+
+def _usage(update: RequestUpdate) -> dict:
+    return {"prompt_tokens": update.prompt_tokens, "completion_tokens": update.completion_tokens,
+            "total_tokens": update.prompt_tokens + update.completion_tokens}
+
+
+async def _sse(stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
+    """Server-sent events: `data: <json>` and a blank line per chunk, then `data: [DONE]`. When the client
+    hangs up, Starlette cancels this generator; `finally` then aborts the request."""
+    try:
+        async for update in stream:
+            for chunk in reply.chunks(update):
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+async def _collect(stream: RequestStream, request: Request) -> list[RequestUpdate] | None:
+    """Every update of a non-streamed request, or None if the client hung up first (then it is aborted)."""
+    updates: list[RequestUpdate] = []
+
+    async def consume() -> None:
+        async for update in stream:
+            updates.append(update)
+
+    consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(_client_gone(request))
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (consumer, watcher):
+            task.cancel()
+        await stream.aclose()
+    return updates if consumer in done else None
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the app ---------------------------------------------------------------------------------------------
+
+
+def build_app(engine: LLMEngine, model_name: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """A FastAPI app serving `engine` under `model_name` (default: the engine's model name). The app holds
+    its own AsyncLLMEngine (started and stopped with the app's lifespan) at `app.state.front`, the
+    metrics at `app.state.metrics`."""
+    server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.front.start()
+        yield
+        await asyncio.to_thread(server.front.shutdown)
+
+    app = FastAPI(title="servelab", description="an OpenAI-compatible server over a step-through engine",
+                  lifespan=lifespan)
+    app.state.server, app.state.front, app.state.metrics = server, server.front, server.metrics
+    app.get("/health")(server.health)
+    app.get("/v1/models")(server.models)
+    app.get("/metrics")(server.metrics_text)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.exception_handler(OpenAIError)(lambda request, exc: exc.response())
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(Exception)(_internal_error)
+    return app
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path 404, wrong method 405) in OpenAI's shape too."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, None,
+                       kind).response()
+
+
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}", None, None,
+                       "server_error").response()
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until Ctrl-C (`python -m engine serve`)."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """uvicorn in a background thread, on a free port by default: for notebooks and tests.
+
+        with BackgroundServer(build_app(engine)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app, self.host, self.port, self.log_level = app, host, port, log_level
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))  # port 0: the OS picks a free one
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=self.log_level, lifespan="on",
+                                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="servelab-http", daemon=True)
+        self._thread.start()
+        _wait_until(lambda: self._server.started or not self._thread.is_alive(), STARTUP_WAIT_S)
+        if not self._server.started:
+            self.stop()
+            raise RuntimeError(f"the server did not start on {self.url} (see the log above)")
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(STARTUP_WAIT_S)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_until(ready: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(STARTUP_POLL_S)
+
