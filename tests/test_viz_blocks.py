@@ -177,3 +177,11 @@ def test_render_block_size_sweep_plots_each_row_and_refuses_missing_keys():
     assert list(waste_line.get_ydata()) == [r["waste_pct"] for r in rows]
     with pytest.raises(ValueError, match="block_loads"):
         render_block_size_sweep([{"block_size": 16, "waste_pct": 1.0}])
+
+
+def test_a_sliding_windows_freed_entries_are_not_drawn_and_the_legend_counts_only_held_blocks():
+    fig = render_block_grid({"a": [-1, -1, 5, 2]}, 8, {"a": 14}, block_size=4)
+    cells = grid_cells({"a": [-1, -1, 5, 2]}, 8, {"a": 14}, block_size=4)
+    assert sorted(cells) == [2, 5] and cells[2].tokens == 2 and cells[5].logical == 2
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["a: 2 blocks (+2 freed)"]

@@ -261,6 +261,12 @@ def _check_cached(cached: Sequence[int], tables: Mapping, num_blocks: int) -> No
                   f"holds block {b}: a free-but-cached block must be in 0..{num_blocks - 1} and in no table")
 
 
+def _owner_label(seq, table) -> str:
+    """"a: 3 blocks", or with a sliding window "a: 3 blocks (+2 freed)" (NULL_BLOCK entries hold none)."""
+    freed = sum(1 for b in table if b == NULL_BLOCK)
+    return f"{seq}: {len(table) - freed} blocks" + (f" (+{freed} freed)" if freed else "")
+
+
 def _cell_text(b: int, cell: Cell | None, cached: bool = False) -> str:
     if cell is None:
         return f"{b}\ncached" if cached else f"{b}"
@@ -323,8 +329,7 @@ def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = Tr
     ax.set_title(f"{snap.label}\n{title}" if snap.label else title, fontsize=9)
     if legend and (snap.tables or cached):
         owners = list(snap.tables)[:LEGEND_MAX_OWNERS]
-        handles = [Patch(facecolor=owner_color(s, colors), label=f"{s}: {len(snap.tables[s])} blocks")
-                   for s in owners]
+        handles = [Patch(facecolor=owner_color(s, colors), label=_owner_label(s, snap.tables[s])) for s in owners]
         if len(snap.tables) > len(owners):
             handles.append(Patch(facecolor="none", edgecolor="none",
                                  label=f"... and {len(snap.tables) - len(owners)} more"))
