@@ -284,8 +284,8 @@ class EngineConfig:
         check_num_threads(self.num_threads)
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
-        _require(self.attention_backend in ("torch", "triton", "cuda"),
-                 f"attention_backend must be one of torch, triton, cuda; got {self.attention_backend!r}")
+        _require(self.attention_backend in ("torch", "sdpa", "triton", "cuda"),
+                 f"attention_backend must be one of torch, sdpa, triton, cuda; got {self.attention_backend!r}")
 
 
 SCHEDULER_POLICIES = ("continuous", "static")

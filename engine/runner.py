@@ -11,7 +11,7 @@ and its own KV slot. A step with two decodes and a prefill chunk of 3 tokens:
 
 Inside every layer, `PagedAttention.forward` writes the new K/V into their slots, then computes
 attention per kind: all decode rows at once through `paged_decode_attention` (each reads its own
-past through its block table), and each prefill chunk through `paged_prefill_attention_ref`
+past through its block table), and each prefill chunk through `paged_prefill_attention`
 (causal inside the chunk, and it sees its earlier chunks through the block table). The other
 layers (projections, MLP, norms) never mix tokens, so one packed row serves them all.
 """
@@ -30,7 +30,7 @@ from engine.model import LlamaModel
 from engine.scheduler import ScheduledWork
 from kernels.paged_attention import (
     paged_decode_attention,
-    paged_prefill_attention_ref,
+    paged_prefill_attention,
     resolve_backend,
     write_kv,
 )
@@ -64,7 +64,8 @@ class PagedAttention:
     """The attention backend: reads and writes the paged KV cache through a `PagedKVPool`.
 
     It holds no tensors of its own: the pool (engine/kv_pool.py) owns them and does the block
-    copies. `backend`: "torch" (the reference), "triton" or "cuda"; falls back to "torch" with a warning.
+    copies. `backend`: "torch" (the reference), "sdpa" (its fast batched twin), "triton" or "cuda"; falls
+    back to "torch" with a warning.
     """
 
     def __init__(self, kv_pool: PagedKVPool, backend: str = "torch", sliding_window: int | None = None):
@@ -89,9 +90,9 @@ class PagedAttention:
                                                meta.decode_seq_lens, self.scale, backend=self.backend,
                                                sliding_window=self.sliding_window, scales=scales)
         for chunk in meta.prefills:
-            out[chunk.lo:chunk.hi] = paged_prefill_attention_ref(
+            out[chunk.lo:chunk.hi] = paged_prefill_attention(
                 q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale,
-                sliding_window=self.sliding_window, scales=scales)
+                backend=self.backend, sliding_window=self.sliding_window, scales=scales)
         return out[None]  # [1, N, H, D]
 
 

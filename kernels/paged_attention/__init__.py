@@ -24,7 +24,7 @@ from .reference import (
     write_kv_ref,
 )
 
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "sdpa", "triton", "cuda")  # torch: the readable oracle; sdpa: its fast, batched twin
 
 __all__ = [
     "BACKENDS",
@@ -32,6 +32,7 @@ __all__ = [
     "check_paged_inputs",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "resolve_backend",
     "write_kv",
@@ -89,9 +90,22 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: flo
         from .triton import paged_decode_attention_triton as run
     elif chosen == "cuda":
         from .cuda import paged_decode_attention_cuda as run
+    elif chosen == "sdpa":
+        from .sdpa import paged_decode_attention_sdpa as run
     else:
         run = paged_decode_attention_ref
     return run(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
+
+
+def paged_prefill_attention(q, k_pool, v_pool, block_table, q_positions, scale: float, backend: str = "torch",
+                            sliding_window: int | None = None, scales=None):
+    """Chunked prefill of one sequence over the paged cache: q [Tq, H, D] -> [Tq, H, D]. "sdpa" runs
+    PyTorch's fused attention; every other backend the reference (there is no Triton/CUDA prefill yet)."""
+    if backend == "sdpa":
+        from .sdpa import paged_prefill_attention_sdpa as run
+    else:
+        run = paged_prefill_attention_ref
+    return run(q, k_pool, v_pool, block_table, q_positions, scale, sliding_window=sliding_window, scales=scales)
 
 
 def write_kv(k, v, k_pool, v_pool, slot_mapping, backend: str = "torch", scales=None) -> None:
@@ -101,7 +115,7 @@ def write_kv(k, v, k_pool, v_pool, slot_mapping, backend: str = "torch", scales=
     scatter kernel, so "cuda" uses the torch path (silently: nothing is missing). int8 writes
     (quantize, then scatter) also run in PyTorch on every backend.
     """
-    if backend == "cuda" or scales is not None:
+    if backend in ("cuda", "sdpa") or scales is not None:
         write_kv_ref(k, v, k_pool, v_pool, slot_mapping, scales)
         return
     if resolve_backend(backend, k.device) == "triton":

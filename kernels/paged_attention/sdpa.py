@@ -1,0 +1,111 @@
+"""Paged attention through PyTorch's fused ``scaled_dot_product_attention``: the fast path on a CPU.
+
+The reference (``reference.py``) is written to be read: for every sequence it follows the block table,
+copies that sequence's K/V out of the pool, repeats the KV heads for GQA and does the softmax in fp32,
+one sequence at a time, in Python. In a decode step of 16 sequences and 30 layers that is 480 small
+gathers and 480 small attentions, and on a CPU it was about half of the step's time (measured on
+SmolLM2-135M, 16 sequences of ~220 tokens: 530 of 1,100 ms).
+
+Here the whole batch goes at once:
+
+    1. one gather: every sequence's table columns that anyone reads    k_pool[tables] -> [B, L, Hkv, D]
+       (padded to the longest sequence; NULL_BLOCK entries of a sliding window point at block 0)
+    2. one mask: key position p of sequence b is visible iff  first_b <= p < seq_len_b
+    3. one fused attention: F.scaled_dot_product_attention with that mask and enable_gqa=True
+       (no repeat_interleave: the kernel maps query head h to KV head h // (H / Hkv) itself)
+
+Same contract and the same checks as the reference (``check_paged_inputs``); int8 pools are dequantized
+during the gather. The results equal the reference up to float rounding (tests/test_paged_attention_sdpa.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .reference import (
+    _check_index_tensor,
+    _check_query,
+    _fail,
+    check_block_tables,
+    check_kv_pools,
+    check_paged_inputs,
+    check_sliding_window,
+    first_visible_position,
+)
+
+
+def _gather(pool, scale, tables, first_col: int, last_col: int):
+    """K (or V) of table columns [first_col, last_col) of every row, [B, L, Hkv, D] with L = columns * BS,
+    dequantized to fp32 when ``scale`` (int8) is given."""
+    cols = tables[:, first_col:last_col].long().clamp(min=0)  # NULL_BLOCK (-1) -> 0: masked out below
+    B, C = cols.shape
+    _, BS, Hkv, D = pool.shape
+    x = pool[cols].reshape(B, C * BS, Hkv, D)
+    if scale is not None:
+        x = x.float() * scale[cols].reshape(B, C * BS, Hkv)[..., None]
+    return x
+
+
+def _attend(q, k, v, mask, scale):
+    """q [B, Tq, H, D], k/v [B, L, Hkv, D], mask [B, Tq, L] bool -> [B, Tq, H, D] in q's dtype.
+
+    Slots no query may see (padding, past a sequence's end, before its window) hold whatever the pool
+    held: stale values, or anything. A masked score is -inf and its weight 0, but 0 * NaN is NaN, so we
+    zero those K/V rows first: what a sequence does not own can never leak into its output."""
+    seen = mask.any(dim=1)[..., None, None]  # [B, L, 1, 1]: a key some query of the row may read
+    k, v = k.masked_fill(~seen, 0), v.masked_fill(~seen, 0)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
+                                         v.to(q.dtype).transpose(1, 2), attn_mask=mask[:, None],
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def paged_decode_attention_sdpa(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
+                                sliding_window: int | None = None, scales=None):
+    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
+    check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    BS = k_pool.shape[1]
+    lens = seq_lens.long()
+    first = first_visible_position(lens, sliding_window) if sliding_window is not None else torch.zeros_like(lens)
+    first_col, last_col = int(first.min()) // BS, -(-int(lens.max()) // BS)
+    k = _gather(k_pool, scales[0] if scales else None, block_tables, first_col, last_col)  # [B, L, Hkv, D]
+    v = _gather(v_pool, scales[1] if scales else None, block_tables, first_col, last_col)
+    pos = first_col * BS + torch.arange(k.shape[1], device=q.device)  # [L] key positions
+    mask = (pos[None, :] < lens[:, None]) & (pos[None, :] >= first[:, None])  # [B, L]
+    return _attend(q[:, None], k, v, mask[:, None], scale)[:, 0]
+
+
+def paged_prefill_attention_sdpa(q, k_pool, v_pool, block_table, q_positions, scale: float,
+                                 sliding_window: int | None = None, scales=None):
+    """Same contract as ``paged_prefill_attention_ref``: queries of ONE sequence, q [Tq, H, D] at
+    positions q_positions [Tq], causally over the cache (and within the window) -> [Tq, H, D]."""
+    check_kv_pools(k_pool, v_pool, scales)
+    _check_query(q, k_pool, scale)
+    check_sliding_window(sliding_window)
+    _check_index_tensor("block_table", block_table, 1, q.device)
+    _check_index_tensor("q_positions", q_positions, 1, q.device, dtypes=(torch.int32, torch.int64))
+    if q_positions.shape[0] != q.shape[0] or q.shape[0] == 0:
+        _fail("q_positions", f"needs one position per query: {q_positions.shape[0]} for Tq = {q.shape[0]}")
+    if int(q_positions.min()) < 0:
+        _fail("q_positions", f"positions must be >= 0, got {int(q_positions.min())}")
+    BS = k_pool.shape[1]
+    context_len = int(q_positions.max()) + 1
+    if context_len > block_table.shape[0] * BS:
+        _fail("q_positions", f"max position {context_len - 1} is outside 0..{block_table.shape[0] * BS - 1} "
+                             f"(block_table holds {block_table.shape[0]} blocks x BS {BS})")
+    first = first_visible_position(int(q_positions.min()) + 1, sliding_window)
+    lens = torch.tensor([context_len], dtype=torch.int32, device=q.device)
+    check_block_tables(block_table[None], lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
+                       first_positions=lens * 0 + first)
+    first_col, last_col = first // BS, -(-context_len // BS)
+    k = _gather(k_pool, scales[0] if scales else None, block_table[None], first_col, last_col)  # [1, L, Hkv, D]
+    v = _gather(v_pool, scales[1] if scales else None, block_table[None], first_col, last_col)
+    key_pos = first_col * BS + torch.arange(k.shape[1], device=q.device)  # [L]
+    qp = q_positions.long()[:, None]
+    mask = (key_pos[None, :] <= qp) & (key_pos[None, :] < context_len)  # [Tq, L]
+    if sliding_window is not None:
+        mask &= qp - key_pos[None, :] < sliding_window
+    return _attend(q[None], k, v, mask[None], scale)[0]

@@ -1,0 +1,72 @@
+"""The "sdpa" backend (kernels/paged_attention/sdpa.py): the whole batch in one gather and one fused
+attention. Oracle: the reference, on the same NaN-poisoned caches (a read of an unowned slot is NaN),
+with windows, GQA, int8 pools, ragged lengths; and the engine's greedy outputs equal the naive loop."""
+
+import pytest
+import torch
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
+from test_kv_int8 import int8_cache
+from test_paged_attention import GQA, assert_close, make_paged_cache
+from test_sliding_window import windowed_cache
+
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("window", [None, 1, 5, 100])
+def test_sdpa_decode_equals_the_reference(num_heads, num_kv_heads, window):
+    lengths = [1, 4, 9, 14, 3]
+    inputs, _, _ = windowed_cache(lengths, 4, window or 10**6, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=8)
+    assert_close(paged_decode_attention(**inputs, backend="sdpa", sliding_window=window),
+                 paged_decode_attention_ref(**inputs, sliding_window=window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_decode_keeps_the_storage_dtype(dtype):
+    inputs, _, _ = make_paged_cache([3, 17, 8], 8, 4, 2, 16, dtype=dtype)
+    out = paged_decode_attention(**inputs, backend="sdpa")
+    assert out.dtype == dtype
+    assert_close(out, paged_decode_attention_ref(**inputs))
+
+
+def test_sdpa_decode_reads_int8_pools():
+    inputs, scales, _, _ = int8_cache([1, 5, 9, 14], 4, num_heads=4, num_kv_heads=2, head_dim=8)
+    torch.testing.assert_close(paged_decode_attention(**inputs, backend="sdpa", scales=scales),
+                               paged_decode_attention_ref(**inputs, scales=scales), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start,end", [(0, 13), (8, 13), (12, 13), (3, 9)])
+@pytest.mark.parametrize("window", [None, 2, 6])
+def test_sdpa_prefill_equals_the_reference(start, end, window):
+    inputs, _, _ = make_paged_cache([13], 4, num_heads=4, num_kv_heads=2, head_dim=8)
+    q = torch.randn(end - start, 4, 8, generator=torch.Generator().manual_seed(2))
+    args = (q, inputs["k_pool"], inputs["v_pool"], inputs["block_tables"][0], torch.arange(start, end),
+            inputs["scale"])
+    assert_close(paged_prefill_attention(*args, backend="sdpa", sliding_window=window),
+                 paged_prefill_attention_ref(*args, sliding_window=window))
+
+
+def test_sdpa_checks_its_inputs_like_the_reference():
+    inputs, _, _ = make_paged_cache([5, 9], 4, 4, 2, 8)
+    inputs["block_tables"][1, 0] = 99
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 99 is outside"):
+        paged_decode_attention(**inputs, backend="sdpa")
+
+
+@pytest.mark.parametrize("options", [dict(), dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+                                     dict(num_blocks=24, preemption_mode="swap"), dict(sliding_window=7),
+                                     dict(kv_cache_dtype="int8")],
+                         ids=["plain", "chunked", "swap", "window", "int8"])
+def test_engine_with_sdpa_equals_the_engine_with_the_reference(options):
+    model = random_model(seed=4)
+    workload = mixed_workload(12, seed=4)
+    base = dict(block_size=4, num_blocks=96, **{k: v for k, v in options.items() if k != "num_blocks"})
+    if "num_blocks" in options:
+        base["num_blocks"] = options["num_blocks"]
+    _, fast = run_engine(model, workload, attention_backend="sdpa", **base)
+    _, ref = run_engine(model, workload, attention_backend="torch", **base)
+    assert fast == ref
+    if not options:
+        assert list(fast.values()) == naive_outputs(model, workload)
