@@ -30,7 +30,7 @@ def run(model, tok, prompts, **options):
     return [engine.get_request(i).output_token_ids for i in ids]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton", "cuda"])
 def test_engine_on_gpu_equals_the_naive_loop(tinylab_on_gpu, backend):
     model, tok = tinylab_on_gpu
     expected = [generate_naive(model, None, tok.encode(p), PARAMS).token_ids for p in PROMPTS]
