@@ -116,6 +116,11 @@ RECIPES = {
         decay_steps=500, lr=1e-3, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
         probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.27, "recall": 0.45, "json": 0.15, "refuse": 0.06, "story": 0.07}),
+    "finish": dict(  # after "extend" (resume at its step 3500): a low-lr pass, more JSON and arithmetic
+        bf16_autocast=False, batch_rows=4, total_tokens=3_800 * 2048, first_step=3500, warmup_steps=20,
+        decay_steps=300, lr=2e-4, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
+        probe_every=100, probe_n=48, checkpoint_every_steps=50,
+        mix={"arith": 0.30, "recall": 0.40, "json": 0.20, "refuse": 0.05, "story": 0.05}),
 }
 
 
