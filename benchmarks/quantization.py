@@ -14,14 +14,24 @@ and the GGUF file's own Q4_1/Q8_0 blocks kept quantized (quantization="gguf", pa
 head stay fp32 in every quantized scheme (engine/quantization.py says why), so their bytes are in each row.
 Speeds are reported, never asserted; the machine, its CPU flags and the thread count are recorded.
 
+Beside them, in the same run and on the same token ids, the peers (benchmarks/_peers.py), at batch 1:
+transformers fp32 and bf16 on the same converted folder, and llama.cpp on the very GGUF file it came
+from (Q4_1 decoder linears, a Q8_0 tied embedding / LM head), in its own environment .peers/llamacpp
+(skipped, with the reason printed, where that environment is missing). Then servelab's "gguf" model
+and llama.cpp generate greedily from a few chat prompts and we count their identical leading tokens
+(reported, not asserted: the two dequantize Q4_1 and round activations differently).
+
     python benchmarks/quantization.py                                   # full: writes benchmarks/results/
     python benchmarks/quantization.py --quick --results-dir /tmp/q      # a smoke run (busy-machine numbers)
+    python benchmarks/quantization.py --batches 1                       # full settings, batch 1 only (faster)
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import re
 import statistics
 import sys
@@ -41,8 +51,15 @@ from benchmarks._common import (  # noqa: E402
     real_model_folder,
     write_results,
 )
-from engine.kv_cache import KVCache, forward_with_cache  # noqa: E402
+from benchmarks._peers import (  # noqa: E402
+    leading_identical,
+    llamacpp_python,
+    run_llamacpp,
+    time_transformers,
+)
+from engine.kv_cache import KVCache, forward_with_cache, generate_cached  # noqa: E402
 from engine.quantization import quantize_model, set_backend, weight_bytes_breakdown  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
 
 SEED = 0
 FIRST_TOKEN_ID = 3  # random prompt ids from here up: 0-2 are special tokens
@@ -57,6 +74,14 @@ SCHEMES = {
     "int4-g128 dequant (torch)": ("fp32", "int4-g128", "torch"),
     "gguf blocks packed": ("gguf", None, "packed"),
 }
+PEER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # transformers, batch 1
+# Chat prompts for the token comparison with llama.cpp: real text, so greedy rarely meets a near-tie.
+COMPARE_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
+                     "Explain what a KV cache is in one sentence.", "List three prime numbers.")
+COMPARE_TOKENS = {"full": 32, "quick": 8}
+# The issue's targets on this CPU (decode at batch 1, against our own bf16): reported, never asserted.
+TARGET_X_VS_BF16 = {"int8 packed": 2.0, "int4-g128 packed": 3.0, "gguf blocks packed": 3.0}
+SMALLER_BUT_NOT_FASTER = 1.2  # "x smaller" above this with decode below fp32's: question 5's case
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
@@ -88,11 +113,16 @@ def load_scheme(label: str, base):
     return model
 
 
+def prompt_ids(batch: int, tokens: int, vocab: int) -> torch.Tensor:
+    """[B, T] random token ids, the same for every scheme and peer (row 0 is the batch-1 prompt)."""
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(FIRST_TOKEN_ID, vocab, (batch, tokens), generator=g)
+
+
 @torch.inference_mode()
 def time_model(model, batch: int, cfg: dict) -> tuple[float, float]:
     """(prefill seconds, median decode-step seconds) for ``batch`` random prompts."""
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(FIRST_TOKEN_ID, model.config.vocab_size, (batch, cfg["prompt_tokens"]), generator=g)
+    ids = prompt_ids(batch, cfg["prompt_tokens"], model.config.vocab_size)
     cache = KVCache(model, batch=batch, capacity=cfg["prompt_tokens"] + cfg["decode_steps"] + 1)
     t0 = time.perf_counter()
     logits = forward_with_cache(model, cache, ids)  # [B, V]: the last position only
@@ -106,17 +136,167 @@ def time_model(model, batch: int, cfg: dict) -> tuple[float, float]:
     return prefill_s, statistics.median(steps)
 
 
-def measure(label: str, model, cfg: dict) -> list[dict]:
+def speed_row(engine: str, label: str, batch: int, mib: float, prefill_tok_s: float, decode_tok_s: float) -> dict:
+    return {"engine": engine, "scheme": label, "batch": batch, "weight_mib": round(mib, 1),
+            "prefill_tok_s": round(prefill_tok_s, 1), "decode_tok_s": round(decode_tok_s, 1)}
+
+
+def measure_timer(engine: str, label: str, timer, mib: float, cfg: dict, batches) -> list[dict]:
+    """Rows for one model: ``timer(batch, cfg) -> (prefill s, decode-step s)``, warmed up, median of repeats."""
     rows = []
-    mib = sum(weight_bytes_breakdown(model).values()) / 2**20
-    for batch in cfg["batches"]:
-        time_model(model, batch, dict(cfg, prompt_tokens=8, decode_steps=2))  # warm-up
-        runs = [time_model(model, batch, cfg) for _ in range(cfg["repeats"])]
+    for batch in batches:
+        timer(batch, dict(cfg, prompt_tokens=8, decode_steps=2))  # warm-up
+        runs = [timer(batch, cfg) for _ in range(cfg["repeats"])]
         prefill_s = statistics.median(r[0] for r in runs)
         decode_s = statistics.median(r[1] for r in runs)
-        rows.append({"scheme": label, "batch": batch, "weight_mib": round(mib, 1),
-                     "prefill_tok_s": round(batch * cfg["prompt_tokens"] / prefill_s, 1),
-                     "decode_tok_s": round(batch / decode_s, 1)})
+        rows.append(speed_row(engine, label, batch, mib, batch * cfg["prompt_tokens"] / prefill_s, batch / decode_s))
+    return rows
+
+
+def measure(label: str, model, cfg: dict) -> list[dict]:
+    mib = sum(weight_bytes_breakdown(model).values()) / 2**20
+    return measure_timer("servelab", label, lambda b, c: time_model(model, b, c), mib, cfg, cfg["batches"])
+
+
+def transformers_rows(folder: Path, vocab: int, cfg: dict) -> list[dict]:
+    """transformers fp32 and bf16 on the converted folder, batch 1, timed like our schemes."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows = []
+    for name, dtype in PEER_DTYPES.items():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        mib = sum(p.nbytes for p in hf.parameters()) / 2**20  # parameters(): the tied LM head once
+
+        def timer(batch: int, c: dict, hf=hf):
+            return time_transformers(hf, prompt_ids(batch, c["prompt_tokens"], vocab), c["decode_steps"])
+        rows += measure_timer("transformers", name, timer, mib, cfg, (1,))
+        print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)
+        del hf
+    return rows
+
+
+def compare_prompts(tokenizer) -> list[list[int]]:
+    """COMPARE_QUESTIONS as token ids of the model's chat template (llama.cpp gets the very same ids)."""
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+                             add_special_tokens=False) for q in COMPARE_QUESTIONS]
+
+
+def servelab_gguf_tokens(prompts: list[list[int]], n: int) -> tuple[dict[str, list[list[int]]], list[str]]:
+    """Greedy tokens of the "gguf" model (the file's own Q4_1 blocks) per QuantLinear backend, and its
+    first-token gaps (``first_token_gaps``, torch backend)."""
+    from engine.loader import load_model
+
+    model, _ = load_model(REAL_MODEL, quantization="gguf")
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    out = {}
+    for backend in ("packed", "torch"):  # bf16 activations inside / dequantize to fp32 every call
+        set_backend(model, backend)
+        out[backend] = [generate_cached(model, None, p, params).token_ids for p in prompts]
+    return out, first_token_gaps(model, prompts)
+
+
+@torch.inference_mode()
+def first_token_gaps(model, prompts: list[list[int]]) -> list[str]:
+    """Per prompt, the logit gap between our top two first tokens: a small gap is a near-tie, where
+    another engine's rounding may pick the other token (and the whole answer then differs)."""
+    gaps = []
+    for p in prompts:
+        logits = forward_with_cache(model, KVCache(model, capacity=len(p)), torch.tensor([p]))[0]  # [V]
+        top = logits.float().topk(2).values
+        gaps.append(f"{float(top[0] - top[1]):.2f}")
+    return gaps
+
+
+def llamacpp_part(cfg: dict, vocab: int, threads: int, prompts: list[list[int]], n: int) -> tuple[list, dict, list]:
+    """(llama.cpp's batch-1 row, what we record about it, its greedy tokens on ``prompts``); no row where
+    its environment is missing (the reason is printed and recorded)."""
+    from collections import Counter
+
+    from engine.gguf import open_gguf, packaged_gguf_path
+
+    python, reason = llamacpp_python()
+    if python is None:
+        print(f"llama.cpp skipped: {reason}", flush=True)
+        return [], {"skipped": reason}, []
+    gguf = packaged_gguf_path(REAL_MODEL)
+    job = dict(threads=threads, prompt=prompt_ids(1, cfg["prompt_tokens"], vocab)[0].tolist(),
+               decode_steps=cfg["decode_steps"], repeats=cfg["repeats"], compare_prompts=prompts, compare_tokens=n)
+    res = run_llamacpp(python, gguf, job)
+    tensors = open_gguf(gguf).tensors
+    mib = sum(int(t.n_bytes) for t in tensors) / 2**20
+    row = speed_row("llama.cpp", "gguf file (Q4_1, Q8_0 emb/head)", 1, mib, res["prefill_tok_s"], res["decode_tok_s"])
+    print(markdown_table([row]).splitlines()[-1], flush=True)
+    info = {"version": res["version"], "threads": threads, "file": gguf.name,
+            "tensor_types": dict(Counter(t.tensor_type.name for t in tensors)), "system_info": res["system_info"]}
+    return [row], info, res["tokens"]
+
+
+def token_agreement(ours: dict[str, list[list[int]]], theirs: list[list[int]]) -> dict[str, list[str]]:
+    """Per prompt, "k/n": the leading greedy tokens our gguf model shares with llama.cpp (and the two
+    backends with each other)."""
+    def agree(a, b):
+        return [f"{leading_identical(x, y)}/{len(y)}" for x, y in zip(a, b, strict=True)]
+    out = {f"servelab gguf {b} vs llama.cpp": agree(toks, theirs) for b, toks in ours.items() if theirs}
+    out["servelab gguf packed vs torch"] = agree(ours["packed"], ours["torch"])
+    return out
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """x_*: each row against servelab's fp32 and bf16 at the same batch (peers included)."""
+    ours = {(r["scheme"], r["batch"]): r for r in rows if r["engine"] == "servelab"}
+    for row in rows:
+        fp32, bf16 = ours[("fp32", row["batch"])], ours[("bf16", row["batch"])]
+        row["x_decode_vs_fp32"] = round(row["decode_tok_s"] / fp32["decode_tok_s"], 2)
+        row["x_decode_vs_bf16"] = round(row["decode_tok_s"] / bf16["decode_tok_s"], 2)
+        row["x_prefill_vs_fp32"] = round(row["prefill_tok_s"] / fp32["prefill_tok_s"], 2)
+        row["x_smaller_than_fp32"] = round(fp32["weight_mib"] / row["weight_mib"], 2)
+
+
+def target_summary(rows: list[dict]) -> list[str]:
+    """The issue's targets (rows after add_ratios), one line each: met / missed, with the numbers."""
+    at = {(r["engine"], r["scheme"], r["batch"]): r for r in rows}
+    lines = []
+    for label, target in TARGET_X_VS_BF16.items():
+        r1, r16 = at.get(("servelab", label, 1)), at.get(("servelab", label, 16))
+        if r1 is None:
+            continue
+        verdict = "met" if r1["x_decode_vs_bf16"] >= target else "missed"
+        extra = f"; at batch 16 {r16['x_decode_vs_bf16']}x" if r16 else ""
+        lines.append(f"{label}: batch-1 decode {r1['x_decode_vs_bf16']}x our bf16 "
+                     f"(target >= {target:g}x: {verdict}){extra}")
+    peer = next((r for r in rows if r["engine"] == "llama.cpp"), None)
+    ours = at.get(("servelab", "gguf blocks packed", 1))
+    if peer and ours:
+        x = ours["decode_tok_s"] / peer["decode_tok_s"]
+        lines.append(f"int4 vs llama.cpp, same Q4_1 file: decode {ours['decode_tok_s']} vs {peer['decode_tok_s']} "
+                     f"tok/s = {x:.2f}x (target: reach it: {'met' if x >= 1 else 'missed'}); prefill "
+                     f"{ours['prefill_tok_s']} vs {peer['prefill_tok_s']} tok/s")
+    elif ours:
+        lines.append("int4 vs llama.cpp: not measured (llama.cpp skipped)")
+    slow = [f"{r['scheme']} (batch {r['batch']}: {r['x_smaller_than_fp32']}x smaller, decode "
+            f"{r['x_decode_vs_fp32']}x fp32)" for r in rows if r["engine"] == "servelab"
+            and r["x_smaller_than_fp32"] >= SMALLER_BUT_NOT_FASTER and r["x_decode_vs_fp32"] < 1]
+    lines.append("smaller but not faster: " + ("; ".join(slow) if slow else "none in this run"))
+    return lines
+
+
+def conditions(when: str) -> dict:
+    """How busy the machine is: load averages and the other python processes (helpers train and test)."""
+    from benchmarks.decode_vs_hf import busy_processes
+
+    return {f"load_avg_1_5_15_{when}": [round(x, 2) for x in os.getloadavg()],
+            **{f"{k}_{when}": v for k, v in busy_processes().items()}}
+
+
+def run_servelab(cfg: dict, base) -> list[dict]:
+    rows = []
+    for label in SCHEMES:
+        model = load_scheme(label, base)
+        rows += measure(label, model, cfg)
+        for row in rows[-len(cfg["batches"]):]:
+            print(markdown_table([row]).splitlines()[-1], flush=True)
+        del model
     return rows
 
 
@@ -125,42 +305,75 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short prompts, few steps, one repeat (a smoke run)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared machine)")
+    parser.add_argument("--threads", type=int, default=1, help="threads for every engine (default 1: steady on "
+                                                              "a shared machine)")
     parser.add_argument("--results-dir", default=None, help="write here instead of benchmarks/results/")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="servelab's batch sizes (default 1 16; the peers always run batch 1)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
+    cfg = dict(cfg, batches=tuple(args.batches)) if args.batches else cfg
     torch.set_num_threads(args.threads)
-    base, _ = load_model(REAL_MODEL)
-    rows = []
-    for label in SCHEMES:
-        model = load_scheme(label, base)
-        rows += measure(label, model, cfg)
-        for row in rows[-len(cfg["batches"]):]:
-            print(markdown_table([row]).splitlines()[-1], flush=True)
-        del model
-    fp32 = {r["batch"]: r for r in rows if r["scheme"] == "fp32"}
-    for row in rows:
-        ref = fp32[row["batch"]]
-        row["x_decode_vs_fp32"] = round(row["decode_tok_s"] / ref["decode_tok_s"], 2)
-        row["x_prefill_vs_fp32"] = round(row["prefill_tok_s"] / ref["prefill_tok_s"], 2)
-        row["x_smaller_than_fp32"] = round(ref["weight_mib"] / row["weight_mib"], 2)
-    print("\n" + markdown_table(rows))
+    before = conditions("before")
+    folder, (base, tokenizer) = real_model_folder(), load_model(REAL_MODEL)
+    vocab, n_compare = base.config.vocab_size, COMPARE_TOKENS["quick" if args.quick else "full"]
+    rows = run_servelab(cfg, base)
+    del base
+    rows += transformers_rows(folder, vocab, cfg)
+    prompts = compare_prompts(tokenizer)
+    peer_rows, llamacpp, theirs = llamacpp_part(cfg, vocab, args.threads, prompts, n_compare)
+    rows += peer_rows
+    ours, gaps = servelab_gguf_tokens(prompts, n_compare)
+    agreement = dict(token_agreement(ours, theirs), **{"servelab gguf first-token top-2 logit gap": gaps})
+    add_ratios(rows)
+    targets = target_summary(rows)
+    print("\n" + markdown_table(rows) + "\n" + "\n".join(targets) + "\n" + json.dumps(agreement))
     settings = dict(quick=args.quick, model=REAL_MODEL_LABEL, **{k: list(v) if isinstance(v, tuple) else v
                                                                  for k, v in cfg.items()},
-                    torch_threads=torch.get_num_threads(), cpu_flags=" ".join(cpu_flags()) or "unknown",
+                    threads=args.threads, torch_threads=torch.get_num_threads(),
+                    cpu_flags=" ".join(cpu_flags()) or "unknown",
                     torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                    weights=model_provenance(real_model_folder()))
-    write_results("quantization", rows, settings, notes=NOTES,
+                    weights=model_provenance(folder), **before, **conditions("after"),
+                    llamacpp=llamacpp, greedy_leading_tokens_identical=agreement, targets=targets)
+    write_results("quantization", rows, settings, notes=notes_text(settings),
                   results_dir=Path(args.results_dir) if args.results_dir else None)
 
 
 NOTES = """
-Decode and prefill tokens per second of SmolLM2-135M-Instruct per weight scheme, batch 1 and 16, beside fp32
-and bf16 in the same run (x_*_vs_fp32: ratios to fp32 at the same batch). The embedding / LM head (108 MiB)
-stays fp32 in the quantized schemes. torch's packed int8/int4 ops are fast only with bf16 activations and
-only on CPUs with bf16 dot-product instructions (avx512_bf16, AMX); see cpu_flags. Not compared here yet:
-transformers and llama.cpp on the same GGUF file (issue 13's peers).
+Decode and prefill tokens per second of SmolLM2-135M-Instruct per weight scheme, servelab at the batches
+in Settings, the peers at batch 1 (transformers on the same converted folder, llama.cpp on the same GGUF file), on the
+same random token ids, greedy (x_*: ratios to servelab's fp32 / bf16 at the same batch). Every engine runs
+with the same number of threads. servelab keeps the embedding / LM head (108 MiB) fp32 in every quantized
+scheme, and at batch 1 that tied head is most of the bytes a decode step reads: int4 decoder linears shrink
+only the rest. llama.cpp reads the same head as Q8_0 (29 MiB), and multiplies Q4_1 blocks by int8-rounded
+activations with integer dot products (AVX2 and up), never building a float weight. torch's packed int8/int4
+ops are fast only with bf16 activations and only on CPUs with bf16 dot-product instructions (avx512_bf16, AMX).
 """
+
+
+def notes_text(settings: dict) -> str:
+    """NOTES, then the conditions of this run (CPU, flags, threads, how busy) and the targets, met or missed."""
+    from benchmarks._common import describe_machine
+
+    bf16_note = ("" if "avx512_bf16" in settings["cpu_flags"] or "amx_bf16" in settings["cpu_flags"] else
+                 " This CPU has no bf16 instructions, so bf16 (and the packed ops' bf16 activations) are emulated "
+                 "in fp32 arithmetic: bf16 saves bytes but costs time, worst in prefill.")
+    agree = "; ".join(f"{k}: {', '.join(v)}" for k, v in settings["greedy_leading_tokens_identical"].items())
+    skipped = settings["llamacpp"].get("skipped")
+    return (NOTES.strip() + "\n\n"
+            f"Conditions: {describe_machine()['cpu']} (flags: {settings['cpu_flags']}), {settings['threads']} "
+            f"thread(s) per engine, load average (1/5/15 min) {settings['load_avg_1_5_15_before']} before and "
+            f"{settings['load_avg_1_5_15_after']} after, other python processes "
+            f"{settings['other_python_processes_before']} / {settings['other_python_processes_after']}, training "
+            f"running: {settings['training_running_before'] or settings['training_running_after']}.{bf16_note} A busy "
+            f"machine slows every engine, not always alike: compare ratios within this run. Prompts of "
+            f"{settings['prompt_tokens']} tokens, {settings['decode_steps']} decode steps, median of "
+            f"{settings['repeats']} repeat(s){' (a --quick run: noisy)' if settings['quick'] else ''}.\n\n"
+            + (f"llama.cpp skipped: {skipped}\n\n" if skipped else "")
+            + "Targets:\n" + "\n".join(f"- {t}" for t in settings["targets"]) + "\n\n"
+            f"Greedy leading tokens identical ({len(COMPARE_QUESTIONS)} chat prompts, reported, not asserted; "
+            f"a prompt whose first tokens differ where our top-2 logit gap is small is a near-tie that "
+            f"rounding decides, not a bug): {agree}.")
 
 
 if __name__ == "__main__":
