@@ -21,10 +21,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # stream, which reaches |x| ~ 65 where a bf16 step is 0.5 and an fp16 step 0.03 (seen: bf16 mean
 # 0.017, max 0.22; fp16 mean 0.002, max 0.03). About 2x headroom over what we saw; and
 # test_half_precision_fast_path_is_as_accurate_as_the_reference checks both paths against fp32.
-TOLERANCE = {  # dtype: (mean, max)
+# dtype: (mean, max) of |fast - reference|. The mean tolerance is per unit of the logits' mean size once that
+# exceeds 1: bf16 keeps 8 bits of mantissa whatever the size, so a model with larger logits (the retrained
+# tinylab: mean |logit| ~6) has proportionally larger absolute rounding differences.
+TOLERANCE = {
     torch.float32: (1e-5, 1e-4),
     torch.float16: (5e-3, 0.1),
-    torch.bfloat16: (3e-2, 0.5),
+    torch.bfloat16: (8e-3, 0.5),
 }
 
 
@@ -69,6 +72,7 @@ def assert_close_per_dtype(fast: torch.Tensor, ref: torch.Tensor, what: str) -> 
     assert fast.dtype == ref.dtype, f"{what}: fast logits are {fast.dtype}, reference {ref.dtype}"
     diff = (fast.float() - ref.float()).abs()  # [steps, V]
     mean, worst = diff.mean().item(), diff.max().item()
+    mean_tol *= max(1.0, ref.float().abs().mean().item())  # relative to the logits' size once they exceed 1
     step = divmod(diff.argmax().item(), diff.shape[-1])[0]
     assert mean <= mean_tol and worst <= max_tol, (
         f"{what}: |fast - reference| mean {mean:.2e} (tolerance {mean_tol:.0e}), "

@@ -21,7 +21,7 @@ from engine.sampling import SamplingParams
 from engine.server import BackgroundServer, build_app
 
 MODEL = "tinylab"
-PROMPTS = ["12+7=", "Once upon a time", "The fox"]
+PROMPTS = ["12+7=", "Finn lived in a small house near the school.", "The fox"]  # [1]: a story opening, a long answer
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 MAX_TOKENS = 20
 MAX_NUM_SEQS = 4
