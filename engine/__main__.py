@@ -172,14 +172,38 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    from engine.admission import api_keys_from_args, limits_from_args
+    from engine.dashboard import attach_dashboard
     from engine.llm_engine import LLMEngine
     from engine.server import build_app, serve
 
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                "enable_chunked_prefill": args.enable_chunked_prefill, "block_size": args.block_size,
-               "enable_prefix_caching": args.enable_prefix_caching}
+               "enable_prefix_caching": args.enable_prefix_caching,
+               "default_tenant_max_running": args.tenant_max_running}
+    limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)  # bad flags: before loading
     engine = LLMEngine.from_pretrained(args.model, args.dtype, **{k: v for k, v in options.items() if v is not None})
-    serve(build_app(engine, args.served_model_name or args.model), args.host, args.port)
+    app = build_app(engine, args.served_model_name or args.model, limits=limits, api_keys=keys)
+    if not args.no_dashboard:
+        attach_dashboard(app)  # the classroom page: http://HOST:PORT/dashboard
+    serve(app, args.host, args.port)
+
+
+def cmd_dashboard(args) -> None:
+    from engine.dashboard import replay_app
+    from engine.server import serve
+    from engine.trace import Trace
+
+    app, player = replay_app(Trace.load(args.replay), speed=args.speed)
+    player.start()
+    print(f"replaying {args.replay} at {args.speed:g}x: open http://{args.host}:{args.port}/dashboard", flush=True)
+    serve(app, args.host, args.port)
+
+
+def cmd_diagnose(args) -> None:
+    from engine.diagnose import main as diagnose_main
+
+    diagnose_main(args.trace)
 
 
 def cmd_bench_serve(args) -> None:
@@ -201,6 +225,12 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument("--enable-chunked-prefill", action="store_true", default=None)
     s.add_argument("--enable-prefix-caching", action="store_true", default=None)
     s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--no-dashboard", action="store_true", help="do not serve the classroom page /dashboard")
+    s.add_argument("--tenant-max-running", type=int, default=None,
+                   help="the scheduler's per-tenant quota of running requests (chapter 05)")
+    from engine.admission import add_arguments as add_admission_arguments
+
+    add_admission_arguments(s)
     s.set_defaults(func=cmd_serve)
     from engine.bench_serve import add_arguments
 
@@ -259,9 +289,10 @@ def main(argv=None) -> None:
     k.set_defaults(func=cmd_kv_size)
     t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
-    t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend"],
+    t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend", "finish"],
                    help="first: the first tinylab's recipe; lookup: the lookup curriculum; polish: a short pass "
-                        "after lookup; extend: lookup continued from its step 2000 (engine/lab/training.py)")
+                        "after lookup; extend: lookup continued from its step 2000; "
+                        "finish: extend continued from its step 3500 (engine/lab/training.py)")
     t.add_argument("--tokens", type=int, default=None, help="training tokens (default: the recipe's)")
     t.add_argument("--recall-drills", type=int, default=None, help="extra lookups per recall document")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
@@ -281,6 +312,15 @@ def main(argv=None) -> None:
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=cmd_chat)
     _add_serve_parsers(sub)
+    db = sub.add_parser("dashboard", help="the classroom dashboard replaying a saved Trace (chapter 10)")
+    db.add_argument("--replay", required=True, help="a Trace saved as JSON (Trace.save)")
+    db.add_argument("--speed", type=float, default=1.0, help="playback speed: 1 = real time, 10 = ten times faster")
+    db.add_argument("--host", default="127.0.0.1")
+    db.add_argument("--port", type=int, default=8000)
+    db.set_defaults(func=cmd_dashboard)
+    dg = sub.add_parser("diagnose", help="walk the troubleshooting order on a saved Trace (chapter 10)")
+    dg.add_argument("trace", help="a Trace saved as JSON (Trace.save; python -m engine.lab.incidents)")
+    dg.set_defaults(func=cmd_diagnose)
     args = p.parse_args(argv)
     try:
         args.func(args)

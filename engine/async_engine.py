@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.admission import Admission, Deadlines, Load, prefill_tokens_left
 from engine.llm_engine import LLMEngine
 from engine.metrics import RequestTiming
 from engine.request import Request
@@ -71,6 +72,7 @@ class RequestUpdate:
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, over all samples
     finished: bool  # every sample finished: this is the request's last update
+    abort_reason: str | None = None  # on the last update of an aborted request: "queue_timeout", ...
 
 
 @dataclass(eq=False)
@@ -81,6 +83,8 @@ class _Tracked:
     queue: asyncio.Queue
     samples: list[Request]
     holdback: int  # characters held back while a stop string could still match
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    abort_reason: str | None = None
     sent_tokens: list[int] = field(default_factory=list)
     sent_chars: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
@@ -111,10 +115,10 @@ class RequestStream:
         self.finished = update.finished
         return update
 
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str = "cancelled") -> None:
         if not self.finished:
             self.finished = True
-            self.engine.abort_soon(self.request_id)
+            self.engine.abort_soon(self.request_id, reason)
 
 
 class AsyncLLMEngine:
@@ -122,14 +126,23 @@ class AsyncLLMEngine:
 
     `on_step(report)` runs on the engine thread after every step, `on_finish(timing, index)` once per
     finished sequence (sample `index` of its request) with its `RequestTiming` (token times = the ends of
-    the steps that sampled them, as in `engine.metrics.requests_from_trace`). /metrics hangs on these two."""
+    the steps that sampled them, as in `engine.metrics.requests_from_trace`), and `on_abort(request_id,
+    reason)` once per request aborted before it finished. /metrics hangs on these three.
+
+    Overload protection (chapter 10, engine/admission.py): with an `admission`, each new request passes
+    `Admission.check` on the engine thread (with the load of that moment) or `add_request` raises its
+    `Rejected`; its tenant's buckets are charged once the engine took it. Each request's deadlines
+    (`queue_timeout_s`, `request_timeout_s`) are checked before every step, and one past its deadline is
+    aborted with that reason."""
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepReport], None] | None = None,
                  on_finish: Callable[[RequestTiming, int], None] | None = None,
-                 max_trace_steps: int | None = TRACE_STEPS_KEPT):
+                 max_trace_steps: int | None = TRACE_STEPS_KEPT, admission: Admission | None = None,
+                 on_abort: Callable[[str, str], None] | None = None):
         if max_trace_steps is not None and max_trace_steps < 1:
             raise ValueError(f"max_trace_steps={max_trace_steps!r} must be >= 1 (or None to keep every step)")
         self.engine, self.on_step, self.on_finish = engine, on_step, on_finish
+        self.admission, self.on_abort = admission or Admission(), on_abort
         self.max_trace_steps = max_trace_steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # request id -> bookkeeping (engine thread only)
@@ -168,11 +181,16 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self.call(fn))
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
                           **options) -> RequestStream:
         """Add a request (options as `LLMEngine.add_request`: priority, tenant, ...); returns its stream.
-        A bad request raises the engine's ValueError / TypeError here, and the engine keeps nothing."""
+        A bad request raises the engine's ValueError / TypeError here, and the engine keeps nothing; one the
+        admission turns away raises `engine.admission.Rejected`. The timeouts may only shorten the
+        admission's own (`AdmissionLimits.queue_timeout_s`, `request_timeout_s`)."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-        rid, n_prompt = await self.run(lambda e: self._add(e, loop, updates, prompt, params, request_id, options))
+        timeouts = (queue_timeout_s, request_timeout_s)
+        rid, n_prompt = await self.run(
+            lambda e: self._add(e, loop, updates, prompt, params, request_id, options, timeouts))
         return RequestStream(self, rid, updates, n_prompt)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -185,15 +203,22 @@ class AsyncLLMEngine:
         finally:
             await stream.aclose()
 
-    def abort_soon(self, request_id: str) -> None:
+    def abort_soon(self, request_id: str, reason: str = "cancelled") -> None:
         """Abort `request_id` before the next step (no-op if it already finished). Never blocks."""
         if self._thread.is_alive():
-            self._commands.put((lambda e: self._abort(request_id), None))
+            self._commands.put((lambda e: self._abort(request_id, reason), None))
+
+    def load(self) -> Load:
+        """Requests in flight and prompt tokens still to prefill (engine thread: inside `call` / `run`)."""
+        s = self.engine.scheduler
+        return Load(len(self._tracked), prefill_tokens_left(s.waiting + s.running))
 
     # ---- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
             self._drain(wait=not self.engine.has_unfinished_requests())
+            if not self._stopping and self.engine.has_unfinished_requests():
+                self._expire()
             if not self._stopping and self.engine.has_unfinished_requests():
                 self._step()
         for rid in list(self._tracked):
@@ -226,21 +251,39 @@ class AsyncLLMEngine:
     def _stop(self, engine: LLMEngine) -> None:
         self._stopping = True
 
-    def _add(self, engine: LLMEngine, loop, updates, prompt, params, request_id, options) -> tuple[str, int]:
-        rid = engine.add_request(prompt, params, request_id, **options)
+    def _add(self, engine: LLMEngine, loop, updates, prompt, params, request_id, options,
+             timeouts) -> tuple[str, int]:
+        now, tenant, n_prompt = engine.clock(), options.get("tenant"), _prompt_len(engine, prompt)
+        cost = n_prompt + getattr(params, "n", 1) * getattr(params, "max_tokens", 0)  # bad params: the engine says
+        deadlines = self.admission.deadlines(now, *timeouts)  # bad timeouts: ValueError, nothing kept
+        self.admission.check(tenant, n_prompt, cost, self.load(), now)  # or Rejected: nothing kept
+        rid = engine.add_request(prompt, params, request_id, **options)  # bad input: ValueError, nothing kept
+        self.admission.charge(tenant, cost, now)
         head = engine.get_request(rid)
         samples = head.samples or [head]
         holdback = max((len(s) for s in params.stop or []), default=1) - 1
-        self._tracked[rid] = _Tracked(loop, updates, samples, holdback)
+        self._tracked[rid] = _Tracked(loop, updates, samples, holdback, deadlines)
         self._owner.update((s.request_id, rid) for s in samples)
         return rid, len(head.prompt_token_ids)
 
-    def _abort(self, request_id: str) -> None:
+    def _expire(self) -> None:
+        """Abort every request past one of its deadlines (engine/admission.py's `Deadlines`)."""
+        now = self.engine.clock()
+        for rid, t in list(self._tracked.items()):
+            started = any(s.first_scheduled_time is not None for s in t.samples)
+            reason = t.deadlines.expired(now, started)
+            if reason is not None:
+                self._abort(rid, reason)
+
+    def _abort(self, request_id: str, reason: str = "cancelled") -> None:
         t = self._tracked.get(request_id)
         if t is None:  # finished (and retired) meanwhile: nothing to do
             return
-        if any(not s.is_finished for s in t.samples):
+        aborted = any(not s.is_finished for s in t.samples)
+        if aborted:
             self.engine.abort_request(request_id)  # every unfinished sample: blocks back to the pool now
+            t.abort_reason = reason
+            self._notify(self.on_abort, request_id, reason)
         self._emit(request_id, self.engine.clock())
         if not self.engine.has_unfinished_requests():
             self._step()  # an empty step, so the trace records the abort now, not at the next arrival
@@ -285,7 +328,8 @@ class AsyncLLMEngine:
             reason = seq.finish_reason if seq.is_finished else None
             deltas.append(SampleDelta(seq.index, text, new_ids, reason, seq.error))
         finished = all(t.done)
-        update = RequestUpdate(rid, deltas, now, len(t.samples[0].prompt_token_ids), sum(t.sent_tokens), finished)
+        update = RequestUpdate(rid, deltas, now, len(t.samples[0].prompt_token_ids), sum(t.sent_tokens), finished,
+                               t.abort_reason if finished else None)
         if finished:
             self._retire(rid)
         self._deliver(t, update)
@@ -329,3 +373,13 @@ class AsyncLLMEngine:
             callback(*values)
         except Exception:  # noqa: BLE001 - a metrics hook must never stop the engine
             log.exception("an AsyncLLMEngine callback failed")
+
+
+def _prompt_len(engine: LLMEngine, prompt) -> int:
+    """The prompt's length in tokens, for the admission (a malformed prompt is the engine's to refuse)."""
+    if isinstance(prompt, str):
+        return len(engine.tokenizer.encode(prompt)) if engine.tokenizer is not None else 0
+    try:
+        return len(prompt)
+    except TypeError:
+        return 0

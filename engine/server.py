@@ -24,13 +24,25 @@ its KV blocks are back in the pool before the engine's next step.
 
 Extras beyond OpenAI's fields, with vLLM's names: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, and return_token_ids (each choice then carries its "token_ids"). OpenAI's `user` becomes
-the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant metrics buckets).
+the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant metrics buckets), unless the
+server was given API keys (`api_keys`, key -> tenant): then the tenant is the bearer key's, and a request
+without a known key gets 401.
+
+Overload protection (chapter 10; the policy is engine/admission.py, `AdmissionLimits`): past
+`max_num_queued_reqs` requests in flight or `max_num_queued_tokens` prompt tokens still to prefill, a new
+request gets 503 with Retry-After at once; past its tenant's rate, 429 with Retry-After (that tenant only);
+a request not started within `queue_timeout_s` gets 503, one not finished within `request_timeout_s` 504
+(a stream gets an error event instead), and both are aborted, their blocks freed. A request may ask for
+shorter timeouts with the extra fields `queue_timeout_s` / `request_timeout_s`. /metrics counts rejections
+(`vllm:admission_rejections_total{reason}`) and aborts (`vllm:request_aborts_total{reason}`: timeouts,
+client disconnects).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
@@ -45,6 +57,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.admission import Admission, AdmissionLimits, Rejected
 from engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from engine.llm_engine import LLMEngine
 from engine.metrics import VLLM_NAMES, RequestTiming, prefix_cache_stats, request_observations
@@ -68,15 +81,17 @@ class OpenAIError(Exception):
     """An HTTP error with OpenAI's JSON body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        # HTTP's Retry-After counts whole seconds: we round up, so a client that obeys it is never early
+        self.headers = {} if retry_after_s is None else {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -126,6 +141,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    queue_timeout_s: float | None = None  # chapter 10: shorter timeouts than the server's, for this request
+    request_timeout_s: float | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -199,6 +216,11 @@ class ServerMetrics:
         self.preemptions = make(Counter, VLLM_NAMES["preemptions"], "Preemptions (recompute or swap).")
         self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                ["model_name", "finished_reason"], registry=registry)
+        self.rejections = Counter("vllm:admission_rejections", "Requests turned away at the door, by reason "
+                                  "(engine/admission.py).", ["model_name", "reason"], registry=registry)
+        self.aborts = Counter("vllm:request_aborts", "Requests aborted before they finished, by reason "
+                              "(queue_timeout, request_timeout, client_disconnect, cancelled).",
+                              ["model_name", "reason"], registry=registry)
         self.running = make(Gauge, "vllm:num_requests_running", "Sequences holding KV blocks (running).")
         self.waiting = make(Gauge, "vllm:num_requests_waiting", "Sequences waiting for a seat.")
         self.swapped = make(Gauge, "vllm:num_requests_swapped", "Sequences swapped out to the CPU pool.")
@@ -211,6 +233,12 @@ class ServerMetrics:
         self.prefix_queries.inc(stats.queries)
         self.prefix_hits.inc(stats.hits)
         self.preemptions.inc(sum(e.get("type") == "preempted" for e in report.events))
+
+    def on_abort(self, request_id: str, reason: str) -> None:
+        self.aborts.labels(self.model_name, reason).inc()
+
+    def on_reject(self, reason: str) -> None:
+        self.rejections.labels(self.model_name, reason).inc()
 
     def on_finish(self, timing: RequestTiming, sample_index: int) -> None:
         for key, values in request_observations(timing).items():
@@ -241,14 +269,17 @@ class OpenAIServer:
     """The handlers, holding everything they need (no module-level state): the engine front, the served
     model's name, its context length and the metrics. `build_app` wires them into a FastAPI app."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYTES):
+    def __init__(self, engine: LLMEngine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 limits: AdmissionLimits | None = None, api_keys: dict[str, str] | None = None):
         if engine.tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer (prompts arrive as text)")
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
         self.max_model_len = engine.max_model_len
         self.max_n = engine.config.scheduler.max_num_seqs
         self.metrics = ServerMetrics(model_name)
-        self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish)
+        self.limits, self.api_keys = limits or AdmissionLimits(), api_keys  # api_keys: bearer key -> tenant
+        self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish,
+                                    admission=Admission(self.limits), on_abort=self.metrics.on_abort)
         self.created = int(time.time())
 
     # ---- GET endpoints ----------------------------------------------------------------------------
@@ -292,6 +323,7 @@ class OpenAIServer:
 
     # ---- the shared path ------------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[BaseModel]):
+        self._key_tenant(request)  # an unknown key is refused before we read its body
         data = await self._read_json(request)
         try:
             body = model.model_validate(data)
@@ -322,6 +354,17 @@ class OpenAIServer:
         if not isinstance(data, dict):
             raise bad_request(f"the request body must be a JSON object, got a {type(data).__name__}")
         return data
+
+    def _key_tenant(self, request: Request) -> str | None:
+        """The tenant of the request's `Authorization: Bearer <key>` (None when the server has no keys)."""
+        if self.api_keys is None:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        tenant = self.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise OpenAIError(401, "Incorrect API key provided: send `Authorization: Bearer <key>` with a key "
+                              "this server was started with (--api-key TENANT=KEY)", None, "invalid_api_key")
+        return tenant
 
     def _too_large(self, size: int) -> OpenAIError:
         return OpenAIError(413, f"the request body has {size} bytes or more; this server accepts at most "
@@ -374,11 +417,17 @@ class OpenAIServer:
                      shape: _Shape) -> Response:
         params = self._params(body, len(ids), max_tokens)
         request_id = f"{kind}-{uuid.uuid4().hex}"
+        tenant = body.user if self.api_keys is None else self._key_tenant(request)
         try:
-            stream = await self.front.add_request(ids, params, request_id, tenant=body.user)
+            stream = await self.front.add_request(ids, params, request_id, body.queue_timeout_s,
+                                                  body.request_timeout_s, tenant=tenant)
+        except Rejected as e:  # overload or the tenant's rate: the engine kept nothing
+            self.metrics.on_reject(e.reason)
+            kind = "rate_limit_error" if e.status == 429 else "server_error"
+            raise OpenAIError(e.status, e.message, None, e.reason, kind, e.retry_after_s) from None
         except (ValueError, TypeError) as e:  # the engine's checks: it kept nothing
             raise bad_request(str(e)) from None
-        reply = _Reply(request_id, int(time.time()), self.model_name, body, shape)
+        reply = _Reply(request_id, int(time.time()), self.model_name, body, shape, self.limits.retry_after_s)
         if body.stream:
             return StreamingResponse(_sse(stream, reply), media_type="text/event-stream")
         updates = await _collect(stream, request)
@@ -436,8 +485,9 @@ class _ChatShape(_Shape):
 class _Reply:
     """Turns one request's `RequestUpdate`s into OpenAI chunks (streaming) or one response body."""
 
-    def __init__(self, request_id: str, created: int, model: str, body: _Sampling, shape: _Shape):
-        self.id, self.created, self.model = request_id, created, model
+    def __init__(self, request_id: str, created: int, model: str, body: _Sampling, shape: _Shape,
+                 retry_after_s: float):
+        self.id, self.created, self.model, self.retry_after_s = request_id, created, model, retry_after_s
         self.shape, self.n = shape, body.n
         self.usage_chunks = bool(body.stream_options and body.stream_options.include_usage)
         self.token_ids = body.return_token_ids
@@ -457,6 +507,9 @@ class _Reply:
                 choice["token_ids"] = d.token_ids
             chunk = {**self._head(self.shape.object_chunk), "choices": [choice]}
             out.append({**chunk, "usage": None} if self.usage_chunks else chunk)
+        timeout = self.timeout_error(update)
+        if timeout is not None:
+            out.append(timeout.body())
         if update.finished and self.usage_chunks:
             out.append({**self._head(self.shape.object_chunk), "choices": [], "usage": _usage(update)})
         return out
@@ -464,7 +517,22 @@ class _Reply:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
+    def timeout_error(self, update: RequestUpdate) -> OpenAIError | None:
+        """The error for a request its deadline aborted (engine/admission.py's `Deadlines`), else None."""
+        if update.abort_reason == "queue_timeout":
+            return OpenAIError(503, "the request waited longer than its queue timeout (queue_timeout_s) for its "
+                               "first step and was aborted: the server is overloaded, retry later",
+                               None, "queue_timeout", "server_error", self.retry_after_s)
+        if update.abort_reason == "request_timeout":
+            return OpenAIError(504, "the request ran past its deadline (request_timeout_s) and was aborted; "
+                               "ask for fewer max_tokens or a longer request_timeout_s", None, "request_timeout",
+                               "timeout_error")
+        return None
+
     def whole(self, updates: list[RequestUpdate]) -> Response:
+        timeout = self.timeout_error(updates[-1])
+        if timeout is not None:
+            return timeout.response()
         texts, tokens, reasons = [""] * self.n, [[] for _ in range(self.n)], [None] * self.n
         for u in updates:
             for d in u.deltas:
@@ -496,7 +564,7 @@ async def _sse(stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        await stream.aclose()
+        await stream.aclose("client_disconnect")  # a no-op when the stream ended
 
 
 async def _collect(stream: RequestStream, request: Request) -> list[RequestUpdate] | None:
@@ -513,7 +581,7 @@ async def _collect(stream: RequestStream, request: Request) -> list[RequestUpdat
     finally:
         for task in (consumer, watcher):
             task.cancel()
-        await stream.aclose()
+        await stream.aclose("client_disconnect")  # a no-op when the stream ended
     return updates if consumer in done else None
 
 
@@ -525,12 +593,13 @@ async def _client_gone(request: Request) -> None:
 # ---- the app ---------------------------------------------------------------------------------------------
 
 
-def build_app(engine: LLMEngine, model_name: str | None = None,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+              limits: AdmissionLimits | None = None, api_keys: dict[str, str] | None = None) -> FastAPI:
     """A FastAPI app serving `engine` under `model_name` (default: the engine's model name). The app holds
     its own AsyncLLMEngine (started and stopped with the app's lifespan) at `app.state.front`, the
-    metrics at `app.state.metrics`."""
-    server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes)
+    metrics at `app.state.metrics`. `limits`: overload protection (engine/admission.py; default: none);
+    `api_keys`: bearer key -> tenant (default: no keys, the tenant is OpenAI's `user`)."""
+    server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes, limits, api_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,0 +1,329 @@
+"""Admission control (chapter 10): say no early, so that the requests we said yes to stay fast.
+
+A server that accepts every request has no defence against overload. Past its capacity the queue
+grows without bound, and so does everybody's time to first token, including the users who stayed
+within their share. We put gates in front of the engine, checked when a request arrives (on the
+engine thread, between two steps, so the counts cannot change under us):
+
+    new request ──► its tenant's token buckets     over the rate ──► 429 + Retry-After (that tenant only)
+                    (requests/s, tokens/s)
+                ──► the server's load              over a cap    ──► 503 + Retry-After (everybody)
+                    requests in flight >= max_num_queued_reqs
+                    prompt tokens still to prefill + this prompt > max_num_queued_tokens
+                ──► admitted: the tenant's buckets pay for it
+
+and deadlines after it: a request that waited longer than `queue_timeout_s` for its first step, or
+lived longer than `request_timeout_s`, is aborted (its KV blocks go back to the pool at once).
+
+`max_num_queued_tokens` is a TTFT guard: a new request waits for about (prompt tokens queued ahead
+of it) / (prefill tokens per second) before its own prefill starts, so capping the queued tokens at
+target TTFT x prefill throughput keeps the admitted requests' TTFT near the target.
+
+A token bucket (one per tenant and resource) holds at most `burst` tokens and refills at `rate` per
+second; a request takes what it costs, or waits until the bucket holds that much:
+
+    level  burst ┤████▇▆▅▄                 ▁▂▃▄▅▆▇███    a burst drains it; then one request
+               0 ┤        ▃▂▁▁▁▁▁▁▁▁▁▁▁▁▁▁▁             per 1/rate seconds gets through
+                 └──────────────────────────────────► time
+
+Everything here is policy and arithmetic on numbers we are given (a clock reading `now`, the load):
+no HTTP, no threads, so a unit test can drive it with a fake clock. The server turns a `Rejected`
+into the HTTP answer; `AsyncLLMEngine` calls `Admission.admit` and enforces the `Deadlines`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# When the server is full we cannot know when a seat frees up; one second is the smallest Retry-After
+# HTTP can say (whole seconds) and about the time a small model needs to finish a few requests.
+DEFAULT_RETRY_AFTER_S = 1.0
+# Past this many tenants' buckets we forget the full ones (a full bucket is the same as a new one), so
+# a client inventing a new `user` per request cannot grow the server's memory.
+MAX_TRACKED_BUCKETS = 1024
+
+REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "tenant_request_rate", "tenant_token_rate")
+ABORT_REASONS = ("queue_timeout", "request_timeout", "client_disconnect", "cancelled")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive_or_none(name: str, value) -> None:
+    _require(value is None or (isinstance(value, int | float) and not isinstance(value, bool)
+                               and math.isfinite(value) and value > 0),
+             f"{name}={value!r} must be a positive number (or None for no limit)")
+
+
+# ---- the token bucket -------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenBucket:
+    """`burst` tokens at most, refilled at `rate_per_s`; it starts full. Time is whatever `now` says."""
+
+    rate_per_s: float
+    burst: float
+    level: float = math.nan  # nan: full (set on first use)
+    updated: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_or_none("rate_per_s", self.rate_per_s)
+        _positive_or_none("burst", self.burst)
+        if math.isnan(self.level):
+            self.level = float(self.burst)
+
+    def refill(self, now: float) -> None:
+        if self.updated is not None and now > self.updated:
+            self.level = min(self.burst, self.level + (now - self.updated) * self.rate_per_s)
+        self.updated = now if self.updated is None else max(self.updated, now)
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until `amount` tokens are there: 0 now, inf if more than the bucket can ever hold."""
+        self.refill(now)
+        if amount > self.burst:
+            return math.inf
+        return max(0.0, (amount - self.level) / self.rate_per_s)
+
+    def take(self, amount: float, now: float) -> None:
+        self.refill(now)
+        self.level -= amount
+
+    def is_full(self, now: float) -> bool:
+        self.refill(now)
+        return self.level >= self.burst
+
+
+# ---- limits, load, decisions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A tenant's rates (None: unlimited). A burst defaults to one second's worth (at least one request)."""
+
+    requests_per_s: float | None = None
+    tokens_per_s: float | None = None  # tokens = prompt + n x max_tokens: what the request may cost
+    request_burst: float | None = None
+    token_burst: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_s", "tokens_per_s", "request_burst", "token_burst"):
+            _positive_or_none(f"RateLimit.{name}", getattr(self, name))
+
+    def buckets(self) -> dict[str, TokenBucket]:
+        """A fresh pair of full buckets, keyed by the rejection reason each one gives."""
+        out = {}
+        if self.requests_per_s is not None:
+            burst = self.request_burst or max(1.0, math.ceil(self.requests_per_s))
+            out["tenant_request_rate"] = TokenBucket(self.requests_per_s, burst)
+        if self.tokens_per_s is not None:
+            out["tenant_token_rate"] = TokenBucket(self.tokens_per_s, self.token_burst or self.tokens_per_s)
+        return out
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Every knob of overload protection; None everywhere (the default) admits everything, as before.
+
+    `tenant_rate` applies to each tenant on its own (every tenant gets its own buckets); `tenant_rates`
+    overrides it for named tenants. The timeouts are the server's; a request may ask for shorter ones."""
+
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    tenant_rate: RateLimit = field(default_factory=RateLimit)
+    tenant_rates: dict[str | None, RateLimit] = field(default_factory=dict)
+    queue_timeout_s: float | None = None
+    request_timeout_s: float | None = None
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                     f"{name}={value!r} must be an integer >= 1 (or None for no cap)")
+        for name in ("queue_timeout_s", "request_timeout_s", "retry_after_s"):
+            _positive_or_none(name, getattr(self, name))
+        rates = [self.tenant_rate, *self.tenant_rates.values()]
+        _require(all(isinstance(r, RateLimit) for r in rates),
+                 f"tenant_rate and tenant_rates' values must be RateLimit(...)s, got {rates!r}")
+
+    def rate_for(self, tenant: str | None) -> RateLimit:
+        return self.tenant_rates.get(tenant, self.tenant_rate)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the server holds right now: requests in flight (waiting or running) and prompt tokens still
+    to prefill (the work ahead of a new request's first token)."""
+
+    num_requests: int
+    num_queued_tokens: int
+
+
+def prefill_tokens_left(sequences: Iterable) -> int:
+    """Prompt tokens not yet in the KV cache over `sequences` (engine `Request`s, waiting or running):
+    a decoding sequence has none left; one preempted by recompute has its prompt and outputs again."""
+    return sum(0 if s.is_decoding else s.num_uncomputed_tokens for s in sequences if not s.is_finished)
+
+
+class Rejected(Exception):
+    """A request turned away at the door: HTTP `status` (429 or 503), a `reason` from REJECTION_REASONS,
+    and `retry_after_s` (None when waiting would not help: the request is larger than the bucket)."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+
+
+# ---- the gate ----------------------------------------------------------------------------------------------
+
+
+class Admission:
+    """Decides, for each arriving request, admit or reject (see the module docstring); keeps the tenants'
+    buckets. Not thread-safe: the AsyncLLMEngine calls it from its one engine thread."""
+
+    def __init__(self, limits: AdmissionLimits | None = None):
+        self.limits = limits or AdmissionLimits()
+        self._buckets: dict[str | None, dict[str, TokenBucket]] = {}
+
+    def admit(self, tenant: str | None, num_prompt_tokens: int, num_tokens: int, load: Load, now: float) -> None:
+        """Admit a request of `num_prompt_tokens` that may cost `num_tokens` in all (prompt + n x max_tokens),
+        charging its tenant's buckets; or raise `Rejected` and change nothing. (`check`, then `charge`.)"""
+        self.check(tenant, num_prompt_tokens, num_tokens, load, now)
+        self.charge(tenant, num_tokens, now)
+
+    def check(self, tenant: str | None, num_prompt_tokens: int, num_tokens: int, load: Load, now: float) -> None:
+        """Raise `Rejected` if the request may not come in now; charge nothing. The AsyncLLMEngine checks,
+        lets the engine validate the request, and charges only a request the engine took: bad input
+        never uses up its tenant's rate."""
+        buckets = self._tenant_buckets(tenant, now)
+        for reason, bucket in buckets.items():
+            cost = _cost(reason, num_tokens)
+            wait = bucket.wait_s(cost, now)
+            if wait > 0:
+                raise self._rate_limited(tenant, reason, bucket, cost, wait)
+        self._check_load(num_prompt_tokens, load)
+
+    def charge(self, tenant: str | None, num_tokens: int, now: float) -> None:
+        for reason, bucket in self._tenant_buckets(tenant, now).items():
+            bucket.take(_cost(reason, num_tokens), now)
+
+    def _check_load(self, num_prompt_tokens: int, load: Load) -> None:
+        lim, retry = self.limits, self.limits.retry_after_s
+        if lim.max_num_queued_reqs is not None and load.num_requests >= lim.max_num_queued_reqs:
+            raise Rejected(503, "max_num_queued_reqs", f"the server is full: {load.num_requests} requests are "
+                           f"waiting or running (max_num_queued_reqs={lim.max_num_queued_reqs}); retry after "
+                           f"{retry:g} s", retry)
+        queued, cap = load.num_queued_tokens, lim.max_num_queued_tokens
+        if cap is not None and queued > 0 and queued + num_prompt_tokens > cap:  # alone, a long prompt gets in
+            raise Rejected(503, "max_num_queued_tokens", f"the server is full: {queued} prompt tokens are waiting "
+                           f"to be prefilled and this request adds {num_prompt_tokens} (max_num_queued_tokens="
+                           f"{lim.max_num_queued_tokens}); retry after {retry:g} s", retry)
+
+    def _rate_limited(self, tenant, reason: str, bucket: TokenBucket, cost: float, wait: float) -> Rejected:
+        what = "requests" if reason == "tenant_request_rate" else "tokens"
+        rate = f"{bucket.rate_per_s:g} {what}/s, burst {bucket.burst:g}"
+        if math.isinf(wait):
+            return Rejected(429, reason, f"Request too large for tenant {tenant!r}: it may cost {cost:g} {what} "
+                            f"(prompt + n x max_tokens) but the tenant's bucket holds at most {bucket.burst:g} "
+                            f"({rate}); lower max_tokens or shorten the prompt", None)
+        return Rejected(429, reason, f"Rate limit reached for tenant {tenant!r} ({rate}); this request needs "
+                        f"{cost:g}, retry after {wait:.2f} s", wait)
+
+    def _tenant_buckets(self, tenant: str | None, now: float) -> dict[str, TokenBucket]:
+        if tenant not in self._buckets:
+            if len(self._buckets) >= MAX_TRACKED_BUCKETS:
+                self._forget_full_buckets(now)
+            self._buckets[tenant] = self.limits.rate_for(tenant).buckets()
+        return self._buckets[tenant]
+
+    @property
+    def num_tracked_tenants(self) -> int:
+        """Tenants whose buckets we hold (bounded: see MAX_TRACKED_BUCKETS)."""
+        return len(self._buckets)
+
+    def _forget_full_buckets(self, now: float) -> None:
+        for tenant in [t for t, bs in self._buckets.items() if all(b.is_full(now) for b in bs.values())]:
+            del self._buckets[tenant]
+
+    def deadlines(self, arrival: float, queue_timeout_s: float | None = None,
+                  request_timeout_s: float | None = None) -> Deadlines:
+        """A request's deadlines: the server's timeouts, or the request's own where they are shorter."""
+        return Deadlines.after(arrival, _shorter(self.limits.queue_timeout_s, queue_timeout_s),
+                               _shorter(self.limits.request_timeout_s, request_timeout_s))
+
+
+def _cost(reason: str, num_tokens: int) -> int:
+    return 1 if reason == "tenant_request_rate" else num_tokens
+
+
+def _shorter(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Absolute times (on the engine's clock) past which a request is aborted; None: no deadline."""
+
+    queue: float | None = None  # not scheduled yet by then: "queue_timeout"
+    total: float | None = None  # not finished by then: "request_timeout"
+
+    @classmethod
+    def after(cls, arrival: float, queue_timeout_s: float | None = None,
+              request_timeout_s: float | None = None) -> Deadlines:
+        _positive_or_none("queue_timeout_s", queue_timeout_s)
+        _positive_or_none("request_timeout_s", request_timeout_s)
+        return cls(None if queue_timeout_s is None else arrival + queue_timeout_s,
+                   None if request_timeout_s is None else arrival + request_timeout_s)
+
+    def expired(self, now: float, started: bool) -> str | None:
+        """The reason to abort now ("queue_timeout", "request_timeout"), or None."""
+        if self.total is not None and now > self.total:
+            return "request_timeout"
+        if self.queue is not None and not started and now > self.queue:
+            return "queue_timeout"
+        return None
+
+
+# ---- command-line flags (`python -m engine serve`) ---------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The overload-protection flags of `serve` (vLLM's names for the queue caps)."""
+    g = p.add_argument_group("overload protection (chapter 10)")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="503 past this many requests waiting or running")
+    g.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="503 past this many prompt tokens still to prefill (about target TTFT x prefill tok/s)")
+    g.add_argument("--queue-timeout-s", type=float, default=None, help="abort a request not started by then")
+    g.add_argument("--request-timeout-s", type=float, default=None, help="abort a request not finished by then")
+    g.add_argument("--tenant-requests-per-s", type=float, default=None, help="429 past this rate, per tenant")
+    g.add_argument("--tenant-tokens-per-s", type=float, default=None,
+                   help="429 past this many tokens (prompt + n x max_tokens) per second, per tenant")
+    g.add_argument("--api-key", action="append", default=None, metavar="TENANT=KEY",
+                   help="accept this bearer key as TENANT (repeat it); with any, other keys get 401 and the "
+                        "tenant comes from the key, else from OpenAI's `user` field")
+
+
+def limits_from_args(args: argparse.Namespace) -> AdmissionLimits:
+    return AdmissionLimits(max_num_queued_reqs=args.max_num_queued_reqs,
+                           max_num_queued_tokens=args.max_num_queued_tokens,
+                           tenant_rate=RateLimit(args.tenant_requests_per_s, args.tenant_tokens_per_s),
+                           queue_timeout_s=args.queue_timeout_s, request_timeout_s=args.request_timeout_s)
+
+
+def api_keys_from_args(items: list[str] | None) -> dict[str, str] | None:
+    """["alice=sk-1", "bob=sk-2"] -> {"sk-1": "alice", "sk-2": "bob"} (key -> tenant)."""
+    if not items:
+        return None
+    keys = {}
+    for item in items:
+        tenant, sep, key = item.partition("=")
+        _require(bool(sep and tenant and key), f"--api-key {item!r} must look like TENANT=KEY, e.g. alice=sk-123")
+        keys[key] = tenant
+    return keys

@@ -1,0 +1,233 @@
+"""Planted incidents (chapter 10): reproducible runs of the engine in which something goes wrong halfway,
+each leaving a `Trace` for `engine.diagnose` (and a student) to explain.
+
+Every scenario is the same steady workload (requests of two tenants arriving at a fixed pace, step by
+step, with seeded random prompts and fixed output lengths), healthy in its first half; halfway, one thing
+changes:
+
+    healthy              nothing changes (the control: the diagnosis must call it healthy)
+    long_prompts         the traffic mix shifts: new prompts are several times longer
+    kv_pool_too_small    the KV pool was sized too small: running requests keep preempting each other
+    slow_detokenizer     a detokenizer upgrade costs milliseconds per token (a delay in a wrapper)
+    tenant_flood         one tenant starts sending several requests per step
+    prefix_cache_collapse  a new chat template puts a per-request line BEFORE the shared system prompt,
+                         so no two prompts share a prefix any more (the deploy recorded the change)
+
+Arrivals are tied to engine steps, not to the wall clock, and every answer has exactly its drawn length
+(greedy, EOS ignored): the queues, blocks, preemptions and cache hits are the same on every machine;
+only the seconds differ.
+
+    python -m engine.lab.incidents --out runs/incidents     # one TRACE.json per scenario
+    python -m engine diagnose runs/incidents/tenant_flood.json
+
+A deploy tool writes what it changed into the trace as an event of the step at which it happened:
+
+    {"type": "config_changed", "what": "chat_template", "old": "v1", "new": "v2"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.llm_engine import LLMEngine, engine_config
+from engine.sampling import SamplingParams
+from engine.trace import Trace
+
+MODEL = "tinylab"
+NUM_REQUESTS = 32  # 16 before the incident, 16 after: enough for medians, a few seconds per scenario
+STEPS_BETWEEN_ARRIVALS = 2  # steady load: about half a seat-turnover per step with ~16-token answers
+PROMPT_TOKENS = (24, 40)  # uniform range of a normal prompt
+LONG_PROMPT_TOKENS = (160, 240)  # after the mix shift: about 6x longer
+OUTPUT_TOKENS = (8, 14)
+MAX_NUM_SEQS = 8
+SMALL_POOL_BLOCKS = 8  # block_size 16: room for ~3 requests of ~45 tokens, while 8 seats are open
+FLOOD_PER_STEP = 2  # the flooding tenant's requests per step (the normal pace is one per 2 steps)
+DETOKENIZER_DELAY_S = 0.003  # per token: ~10x what detokenizing one token costs, ~1 tinylab forward
+SYSTEM_PROMPT_TOKENS = 96  # the shared system prompt (6 blocks of 16) in the prefix-cache scenario
+USER_TOKENS = 8
+
+
+@dataclass
+class Arrival:
+    step: int  # added just before this engine step
+    prompt: list[int]
+    max_tokens: int
+    tenant: str
+    template_version: str | None = None
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    arrivals: list[Arrival]
+    options: dict = field(default_factory=dict)  # engine_config options
+    at_half: Callable[[LLMEngine], None] | None = None  # what happens at the middle step
+
+
+# ---- workloads -------------------------------------------------------------------------------------------
+
+
+def _prompt(rng: random.Random, lo_hi: tuple[int, int], vocab: list[int]) -> list[int]:
+    return [rng.choice(vocab) for _ in range(rng.randint(*lo_hi))]
+
+
+def steady(rng: random.Random, vocab: list[int], n: int = NUM_REQUESTS, first_step: int = 0,
+           prompt_tokens: Callable[[int], tuple[int, int]] = lambda i: PROMPT_TOKENS) -> list[Arrival]:
+    """n requests, one every STEPS_BETWEEN_ARRIVALS steps, tenants "a" and "b" taking turns."""
+    return [Arrival(first_step + i * STEPS_BETWEEN_ARRIVALS, _prompt(rng, prompt_tokens(i), vocab),
+                    rng.randint(*OUTPUT_TOKENS), "ab"[i % 2]) for i in range(n)]
+
+
+def _half_step() -> int:
+    return NUM_REQUESTS // 2 * STEPS_BETWEEN_ARRIVALS
+
+
+def scenarios(vocab: list[int], seed: int = 0) -> dict[str, Scenario]:
+    rng = random.Random(seed)
+    half = NUM_REQUESTS // 2
+    out = [
+        Scenario("healthy", "a steady load of two tenants; nothing changes", steady(rng, vocab)),
+        Scenario("long_prompts", "halfway, the traffic mix shifts to prompts about 6x longer",
+                 steady(rng, vocab, prompt_tokens=lambda i: PROMPT_TOKENS if i < half else LONG_PROMPT_TOKENS)),
+        Scenario("kv_pool_too_small", f"the KV pool has {SMALL_POOL_BLOCKS} blocks for {MAX_NUM_SEQS} seats",
+                 steady(rng, vocab), {"num_blocks": SMALL_POOL_BLOCKS}),
+        Scenario("slow_detokenizer", f"halfway, detokenizing costs {DETOKENIZER_DELAY_S * 1e3:g} ms per token",
+                 steady(rng, vocab), at_half=_slow_down_detokenizer),
+        _tenant_flood(rng, vocab),
+        _prefix_cache_collapse(rng, vocab),
+    ]
+    return {s.name: s for s in out}
+
+
+def _tenant_flood(rng: random.Random, vocab: list[int]) -> Scenario:
+    arrivals = steady(rng, vocab)
+    last = arrivals[-1].step  # the flood lasts from halfway to the last steady arrival
+    flood = [Arrival(_half_step() + i // FLOOD_PER_STEP, _prompt(rng, PROMPT_TOKENS, vocab),
+                     rng.randint(*OUTPUT_TOKENS), "flood")
+             for i in range((last - _half_step() + 1) * FLOOD_PER_STEP)]
+    return Scenario("tenant_flood", f"halfway, tenant 'flood' sends {FLOOD_PER_STEP} requests per step",
+                    sorted(arrivals + flood, key=lambda a: a.step))
+
+
+def _prefix_cache_collapse(rng: random.Random, vocab: list[int]) -> Scenario:
+    """Template v1: system prompt, then the user's line (a shared prefix); v2 puts the user's line first."""
+    system = _prompt(rng, (SYSTEM_PROMPT_TOKENS, SYSTEM_PROMPT_TOKENS), vocab)
+    arrivals = []
+    for i, a in enumerate(steady(rng, vocab)):
+        user = _prompt(rng, (USER_TOKENS, USER_TOKENS), vocab)
+        v2 = i >= NUM_REQUESTS // 2
+        arrivals.append(Arrival(a.step, user + system if v2 else system + user, a.max_tokens, a.tenant,
+                                "v2" if v2 else "v1"))
+    return Scenario("prefix_cache_collapse", "halfway, a new chat template puts the user's line before the "
+                    "shared system prompt", arrivals, {"enable_prefix_caching": True}, at_half=_record_template)
+
+
+# ---- what happens halfway --------------------------------------------------------------------------------
+
+
+class SlowDetokenizer:
+    """Wraps an incremental detokenizer: the same text, `delay_s` later per token."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def push(self, token: int):
+        time.sleep(self.delay_s)
+        return self.inner.push(token)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class SlowTokenizer:
+    """The engine's tokenizer with a slow detokenizer; everything else delegated."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def detokenizer(self):
+        return SlowDetokenizer(self.inner.detokenizer(), self.delay_s)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _slow_down_detokenizer(engine: LLMEngine) -> None:
+    engine.tokenizer = SlowTokenizer(engine.tokenizer, DETOKENIZER_DELAY_S)  # requests added from now on
+
+
+def _record_template(engine: LLMEngine) -> None:
+    record_change(engine, "chat_template", "v1", "v2")
+
+
+def record_change(engine: LLMEngine, what: str, old, new) -> None:
+    """Write a `config_changed` event into the last step of the engine's trace (what a deploy tool does)."""
+    engine.trace.steps[-1].events.append({"type": "config_changed", "what": what, "old": old, "new": new,
+                                          "time": engine.clock()})
+
+
+# ---- running one ------------------------------------------------------------------------------------------
+
+
+def usable_vocab(tokenizer) -> list[int]:
+    special = {i for i in (tokenizer.bos_token_id, tokenizer.pad_token_id, *tokenizer.eos_token_ids) if i is not None}
+    special |= set(tokenizer.tk.get_added_tokens_decoder())
+    return [i for i in range(tokenizer.vocab_size) if i not in special]
+
+
+def run_scenario(scenario: Scenario, model, tokenizer) -> Trace:
+    """Replay the scenario's arrivals step by step until every request is finished; returns the trace."""
+    engine = LLMEngine(model, tokenizer, engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **scenario.options))
+    engine.trace.config["scenario"] = scenario.name
+    pending, step = sorted(scenario.arrivals, key=lambda a: a.step), 0
+    while pending or engine.has_unfinished_requests():
+        if step == _half_step() and scenario.at_half is not None and engine.trace.steps:
+            scenario.at_half(engine)
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            engine.add_request(a.prompt, SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True),
+                               tenant=a.tenant, template_version=a.template_version)
+        engine.step()  # with nobody there, an empty step: the trace's steps stay the arrival clock
+        step += 1
+    return engine.trace
+
+
+def run_incident(name: str, seed: int = 0, model=None, tokenizer=None) -> Trace:
+    """The trace of one scenario by name (see the module docstring); loads tinylab unless given a model."""
+    if model is None:
+        from engine.loader import load_model
+
+        model, tokenizer = load_model(MODEL)
+    table = scenarios(usable_vocab(tokenizer), seed)
+    if name not in table:
+        raise ValueError(f"unknown incident {name!r}; choose one of {', '.join(table)}")
+    return run_scenario(table[name], model, tokenizer)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m engine.lab.incidents", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/incidents", help="folder for one <scenario>.json trace each")
+    p.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from engine.loader import load_model
+
+    model, tok = load_model(MODEL)
+    table = scenarios(usable_vocab(tok), args.seed)
+    names = args.only.split(",") if args.only else list(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        trace = run_scenario(table[name], model, tok)
+        trace.save(out / f"{name}.json")
+        print(f"{name}: {len(trace)} steps -> {out / name}.json")
+
+
+if __name__ == "__main__":
+    main()
