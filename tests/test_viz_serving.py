@@ -14,6 +14,7 @@ from engine.viz.serving import (
     render_buckets,
     render_capacity_curve,
     render_goodput_vs_throughput,
+    render_overload,
     render_percentiles,
     render_request_timeline,
 )
@@ -155,3 +156,35 @@ def test_a_sweep_without_goodput_is_refused_with_what_to_do(render):
         render([{**_row(1.0, 1.0, 1.0), "request_goodput": None}])
     with pytest.raises(ValueError, match="rows is empty"):
         render([])
+
+
+def _overload_row(protection, load_x, goodput, p99_ttft_s, rejected):
+    return {"protection": protection, "load_x": load_x, "goodput_x_capacity": goodput, "p99_ttft_s": p99_ttft_s,
+            "rejected_share": rejected}
+
+
+OVERLOAD = [_overload_row("none", 2.0, 0.1, 18.0, 0.0), _overload_row("protected", 1.0, 0.8, 0.3, 0.0),
+            _overload_row("none", 1.0, 0.8, 0.6, 0.0), _overload_row("protected", 2.0, 1.7, 0.8, 0.1)]
+QUEUES = {"none@2.0x": [{"t_s": 0.0, "waiting": 0}, {"t_s": 1.0, "waiting": 40}],
+          "protected@2.0x": [{"t_s": 0.0, "waiting": 0}, {"t_s": 1.0, "waiting": 3}],
+          "none@1.0x": [{"t_s": 0.0, "waiting": 99}]}
+
+
+def test_the_overload_figure_draws_one_line_per_protection_in_load_order():
+    fig = render_overload(OVERLOAD, QUEUES)
+    assert list(_gid(fig, "goodput:none").get_xdata()) == [1.0, 2.0]
+    assert list(_gid(fig, "goodput:none").get_ydata()) == [0.8, 0.1]
+    assert list(_gid(fig, "goodput:protected").get_ydata()) == [0.8, 1.7]
+    assert list(_gid(fig, "p99_ttft:none").get_ydata()) == [0.6, 18.0]
+    assert list(_gid(fig, "rejected:protected").get_ydata()) == [0.0, 0.1]
+    assert fig.axes[1].get_yscale() == "log"
+    assert list(_gid(fig, "waiting:none").get_ydata()) == [0, 40], "the queue is drawn at the highest load"
+    assert list(_gid(fig, "waiting:protected").get_ydata()) == [0, 3]
+    assert len(render_overload(OVERLOAD).axes) == 3, "without series, no queue panel"
+
+
+def test_overload_rows_without_a_field_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"render_overload: rows lack \['p99_ttft_s'\]"):
+        render_overload([{**OVERLOAD[0], "p99_ttft_s": None}])
+    with pytest.raises(ValueError, match="rows is empty"):
+        render_overload([])

@@ -13,6 +13,8 @@
                                   TPOT against their SLO, the knee marked
     render_goodput_vs_throughput  the same sweep as one path: throughput keeps growing after goodput falls
     capacity_knee                 which rate of a sweep is the knee (the rule is in its docstring)
+    render_overload               chapter 10: goodput, P99 TTFT, share turned away against the offered load,
+                                  with and without overload protection; the waiting queue over time
 
 The inputs are plain data: `engine.metrics.RequestTiming`s (from a server's `Trace` through
 `requests_from_trace`, or from a client through `BenchRun.timings()`), lists of seconds, and the result
@@ -427,3 +429,63 @@ def render_goodput_vs_throughput(rows: Sequence[Mapping], title: str = "") -> Fi
     ax.legend(fontsize=8, frameon=False, loc="upper left")
     ax.set_title(title or "Goodput vs throughput over a rate sweep", fontsize=10)
     return fig
+
+
+# ---- overload, with and without protection (chapter 10) ----------------------------------------------------
+
+OVERLOAD_KEYS = ("protection", "load_x", "goodput_x_capacity", "p99_ttft_s", "rejected_share")
+PROTECTION_STYLES = {"none": ("o-", "tab:red"), "protected": ("s-", "tab:green")}  # others: the default cycle
+
+
+def render_overload(rows: Sequence[Mapping], series: Mapping[str, Sequence[Mapping]] | None = None,
+                    title: str = "") -> Figure:
+    """The overload experiment (benchmarks/results/overload.json) against the offered load, in multiples of
+    the capacity: goodput (x capacity), P99 TTFT (log scale), the share of requests turned away; one line per
+    `protection`. With `series` (its "series": "<protection>@<load>x" -> samples of "t_s" and "waiting"), a
+    fourth panel draws the waiting queue over time at the highest load. Gids: "goodput:<p>", "p99_ttft:<p>",
+    "rejected:<p>", "waiting:<p>"."""
+    if not rows:
+        _fail("render_overload", "rows", "is empty: give the rows of benchmarks/results/overload.json")
+    for r in rows:
+        missing = [k for k in OVERLOAD_KEYS if r.get(k) is None]
+        if missing:
+            _fail("render_overload", "rows", f"lack {missing}: give the rows of benchmarks/results/overload.json")
+    kinds = list(dict.fromkeys(r["protection"] for r in rows))
+    fig, axes = _new_figure((15.0, 4.2), 1, 4 if series else 3)
+    panels = (("goodput_x_capacity", "goodput (x capacity)", "goodput within SLO", "goodput"),
+              ("p99_ttft_s", "P99 TTFT (s, log scale)", "P99 time to first token", "p99_ttft"),
+              ("rejected_share", "share rejected or timed out", "turned away", "rejected"))
+    for ax, (key, ylabel, name, gid) in zip(axes[0], panels, strict=False):
+        for kind in kinds:
+            mine = sorted((r for r in rows if r["protection"] == kind), key=lambda r: r["load_x"])
+            style, color = PROTECTION_STYLES.get(kind, ("o-", None))
+            ax.plot([r["load_x"] for r in mine], [r[key] for r in mine], style, color=color, label=kind,
+                    gid=f"{gid}:{kind}")
+        ax.axvline(1.0, color="0.5", linestyle=":", linewidth=1)
+        ax.set(xlabel="offered load (x capacity)", ylabel=ylabel)
+        ax.set_title(name, fontsize=10)
+        ax.legend(fontsize=8, frameon=False, loc="upper left")
+    axes[0][1].set_yscale("log")
+    axes[0][1].yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    axes[0][1].yaxis.set_minor_locator(NullLocator())
+    axes[0][1].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[0][2].set_ylim(0, 1)
+    if series:
+        _waiting_panel(axes[0][3], rows, kinds, series)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def _waiting_panel(ax, rows: Sequence[Mapping], kinds: list[str], series: Mapping[str, Sequence[Mapping]]) -> None:
+    top = max(r["load_x"] for r in rows)
+    for kind in kinds:
+        samples = series.get(f"{kind}@{top:.1f}x")
+        if not samples:
+            continue
+        style, color = PROTECTION_STYLES.get(kind, ("o-", None))
+        ax.plot([s["t_s"] for s in samples], [s["waiting"] for s in samples], "-", color=color, label=kind,
+                gid=f"waiting:{kind}")
+    ax.set(xlabel="time (s)", ylabel="requests waiting")
+    ax.set_title(f"the waiting queue at {top:g}x capacity", fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
