@@ -42,8 +42,10 @@ LATENCIES_KEPT = 2000  # percentiles over the most recent finished requests
 class LiveStats:
     """Folds StepReports, one by one, into the numbers the page shows; `snapshot()` is JSON-ready.
 
-    Runs on the engine thread (it is the engine's `on_step` hook); `snapshot()` may be called from any
-    thread: it reads one reference that `update` replaces whole."""
+    `update` runs on the engine thread after every step (it is the engine's `on_step` hook), so it only
+    counts: a few dict and deque operations. `snapshot()` does the rest (the block grid, the percentiles)
+    when someone asks, at most 10 times a second per page, and keeps the result until the next step, so a
+    room full of browsers costs the engine nothing."""
 
     def __init__(self):
         self._arrival: dict[str, float] = {}
@@ -55,7 +57,8 @@ class LiveStats:
         self._finishes: deque[float] = deque()
         self.totals = {"finished": 0, "preempted": 0, "prefix_hit_tokens": 0, "prompt_tokens_looked_up": 0,
                        "window_freed_blocks": 0, "bytes_moved": 0}
-        self._latest: dict = {"step": -1}
+        self._report: StepReport | None = None
+        self._cached: tuple[int, dict] = (0, {"step": -1})  # (version, snapshot)
         self.version = 0  # bumped by every update: the event stream sends only new snapshots
 
     def update(self, report: StepReport) -> None:
@@ -74,11 +77,14 @@ class LiveStats:
         for window in (self._arrivals, self._finishes):
             while window and window[0] < now - RATE_WINDOW_S:
                 window.popleft()
-        self._latest = self._snapshot(report)
+        self._report = report
         self.version += 1
 
     def snapshot(self) -> dict:
-        return self._latest
+        version, report = self.version, self._report
+        if report is not None and self._cached[0] != version:
+            self._cached = (version, self._snapshot(report))
+        return self._cached[1]
 
     # ---- helpers ------------------------------------------------------------------------------
     def _count(self, e: dict, now: float) -> None:

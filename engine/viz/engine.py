@@ -39,6 +39,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from engine.metrics import trace_metrics
 from engine.trace import StepReport, Trace
+from engine.viz._figure import new_figure as _new_figure
 from engine.viz.blocks import BlockGridSnapshot, _draw_block_grid, render_block_grid
 
 # What each state looks like. "absent" (not arrived yet) and "finished" are not drawn.
@@ -59,12 +60,6 @@ ROW_LABELS_MAX = 40  # above this many rows we label every k-th row only, so lab
 NOW_ALPHA = 0.12  # the shade over the current step's column: visible, yet the bars under it stay readable
 PLAYER_INTERVAL_MS = 800  # one step per 0.8 s: slow enough to read the step's title
 
-
-def _new_figure(figsize, nrows: int = 1, ncols: int = 1, **kw):
-    """A figure pyplot does not keep: we return it and the notebook displays it once."""
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained", **kw)
-    plt.close(fig)
-    return fig, axes
 
 
 def _check_step(func: str, trace: Trace, i: int) -> int:

@@ -28,13 +28,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from engine.config import ModelConfig
 from engine.memory import kv_block_bytes
 from engine.roofline import forward_cost
 from engine.trace import Trace
+from engine.viz._figure import fail as _fail
+from engine.viz._figure import new_figure as _new_figure
 from kernels.paged_attention.reference import NULL_BLOCK
 
 MS = 1e3  # seconds -> milliseconds
@@ -50,14 +51,6 @@ COMPUTE_RANGE_TFLOP_S = (1e-3, 1e4)
 AXIS_MARGIN = 3.0  # a machine's dot stays at least this factor inside the axes
 
 
-def _new_figure(figsize, nrows: int = 1, ncols: int = 1):
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained")
-    plt.close(fig)  # pyplot does not keep it: the notebook displays the figure we return, once
-    return fig, axes
-
-
-def _fail(func: str, field: str, message: str):
-    raise ValueError(f"{func}: {field} {message}")
 
 
 # ---- plain data from a trace -----------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from engine.prefix_cache import block_hashes
+from engine.viz._figure import fail as _fail
+from engine.viz._figure import new_figure as _new_figure
 
 HASH_DIGITS = 6  # hex digits of a hash printed in a cell: enough to tell a handful of blocks apart
 CELL_WIDTH, CELL_GAP = 1.0, 0.35  # a cell and the arrow gap to the next one, in axis units
@@ -62,14 +64,6 @@ class ChainBlock:
     hit: bool  # an earlier request computed this block, and it is not the block of the prompt's last token
 
 
-def _new_figure(figsize, nrows: int = 1, ncols: int = 1):
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained")
-    plt.close(fig)  # pyplot does not keep it: the notebook displays the figure we return, once
-    return fig, axes
-
-
-def _fail(func: str, field: str, message: str):
-    raise ValueError(f"{func}: {field} {message}")
 
 
 def _keys_of(requests: Mapping, extra_keys) -> dict:

@@ -46,6 +46,8 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
 from engine.metrics import SLO, RequestTiming, mean, nearest_rank, std
+from engine.viz._figure import fail as _fail
+from engine.viz._figure import new_figure as _new_figure
 
 MS = 1e3  # seconds -> milliseconds
 KNEE_FRACTION = 0.9  # the knee: the last rate at which at least 90% of the served requests met the SLO
@@ -60,15 +62,6 @@ COLORS = {"queued": "0.8", "first_token_wait": "tab:orange", "streaming": "light
 WORKLOAD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
-def _new_figure(figsize, nrows: int = 1, ncols: int = 1, **kw):
-    """A figure pyplot does not keep: we return it and the notebook displays it once."""
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained", **kw)
-    plt.close(fig)
-    return fig, axes
-
-
-def _fail(func: str, field: str, message: str):
-    raise ValueError(f"{func}: {field} {message}")
 
 
 # ---- one request's life ----------------------------------------------------------------------------------

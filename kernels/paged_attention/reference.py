@@ -178,6 +178,33 @@ def check_write_inputs(k, v, k_pool, v_pool, slot_mapping, scales=None) -> None:
         _fail("slot_mapping", f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside 0..{num_slots - 1}")
 
 
+def check_prefill_inputs(q, k_pool, v_pool, block_table, q_positions, scale: float,
+                         sliding_window: int | None = None, scales=None) -> tuple[int, int]:
+    """The chunked-prefill contract (every prefill backend enforces it first): q [Tq, H, D], one position
+    per query, all inside the table, every table entry the queries read inside the pool. Returns
+    (context_len, first): the keys the chunk reads are positions first .. context_len - 1."""
+    check_kv_pools(k_pool, v_pool, scales)
+    _check_query(q, k_pool, scale)
+    check_sliding_window(sliding_window)
+    _check_index_tensor("block_table", block_table, 1, q.device)
+    _check_index_tensor("q_positions", q_positions, 1, q.device, dtypes=(torch.int32, torch.int64))
+    if q_positions.shape[0] != q.shape[0] or q.shape[0] == 0:
+        _fail("q_positions", f"needs one position per query: {q_positions.shape[0]} for Tq = {q.shape[0]}")
+    if int(q_positions.min()) < 0:
+        _fail("q_positions", f"positions must be >= 0, got {int(q_positions.min())}")
+    context_len = int(q_positions.max()) + 1
+    capacity = block_table.shape[0] * k_pool.shape[1]
+    if context_len > capacity:
+        _fail("q_positions", f"max position {context_len - 1} is outside 0..{capacity - 1} "
+                             f"(block_table holds {block_table.shape[0]} blocks x BS {k_pool.shape[1]})")
+    # The earliest query sees furthest back: from min(q) - W + 1.
+    first = first_visible_position(int(q_positions.min()) + 1, sliding_window)
+    seq_lens = torch.tensor([context_len], dtype=INDEX_DTYPE, device=q.device)
+    check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
+                       first_positions=seq_lens * 0 + first)
+    return context_len, first
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 
@@ -255,26 +282,9 @@ def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, q_positions, sca
     This is chunked prefill over a paged cache: chunk 2 of a prompt sees chunk 1 through the
     block table, and itself causally.
     """
-    check_kv_pools(k_pool, v_pool, scales)
-    _check_query(q, k_pool, scale)
-    check_sliding_window(sliding_window)
-    _check_index_tensor("block_table", block_table, 1, q.device)
-    _check_index_tensor("q_positions", q_positions, 1, q.device, dtypes=(torch.int32, torch.int64))
-    if q_positions.shape[0] != q.shape[0] or q.shape[0] == 0:
-        _fail("q_positions", f"needs one position per query: {q_positions.shape[0]} for Tq = {q.shape[0]}")
-    if int(q_positions.min()) < 0:
-        _fail("q_positions", f"positions must be >= 0, got {int(q_positions.min())}")
-    context_len = int(q_positions.max()) + 1
-    capacity = block_table.shape[0] * k_pool.shape[1]
-    if context_len > capacity:
-        _fail("q_positions", f"max position {context_len - 1} is outside 0..{capacity - 1} "
-                             f"(block_table holds {block_table.shape[0]} blocks x BS {k_pool.shape[1]})")
-    seq_lens = torch.tensor([context_len], dtype=INDEX_DTYPE, device=q.device)
-    # The earliest query sees furthest back: from min(q) - W + 1.
-    first = first_visible_position(int(q_positions.min()) + 1, sliding_window)
+    context_len, first = check_prefill_inputs(q, k_pool, v_pool, block_table, q_positions, scale,
+                                              sliding_window, scales)
     first_block = first // k_pool.shape[1]
-    check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
-                       first_positions=seq_lens * 0 + first)
     k, v = gather_kv(k_pool, v_pool, block_table, context_len, first_block, scales)  # [L, Hkv, D]
     key_positions = torch.arange(first_block * k_pool.shape[1], context_len, device=q.device)  # [L]
     mask = key_positions[None, :] <= q_positions[:, None]  # [Tq, L]

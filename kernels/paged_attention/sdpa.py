@@ -23,16 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import (
-    _check_index_tensor,
-    _check_query,
-    _fail,
-    check_block_tables,
-    check_kv_pools,
-    check_paged_inputs,
-    check_sliding_window,
-    first_visible_position,
-)
+from .reference import check_paged_inputs, check_prefill_inputs, first_visible_position
 
 
 def _gather(pool, scale, tables, first_col: int, last_col: int):
@@ -84,24 +75,9 @@ def paged_prefill_attention_sdpa(q, k_pool, v_pool, block_table, q_positions, sc
                                  sliding_window: int | None = None, scales=None):
     """Same contract as ``paged_prefill_attention_ref``: queries of ONE sequence, q [Tq, H, D] at
     positions q_positions [Tq], causally over the cache (and within the window) -> [Tq, H, D]."""
-    check_kv_pools(k_pool, v_pool, scales)
-    _check_query(q, k_pool, scale)
-    check_sliding_window(sliding_window)
-    _check_index_tensor("block_table", block_table, 1, q.device)
-    _check_index_tensor("q_positions", q_positions, 1, q.device, dtypes=(torch.int32, torch.int64))
-    if q_positions.shape[0] != q.shape[0] or q.shape[0] == 0:
-        _fail("q_positions", f"needs one position per query: {q_positions.shape[0]} for Tq = {q.shape[0]}")
-    if int(q_positions.min()) < 0:
-        _fail("q_positions", f"positions must be >= 0, got {int(q_positions.min())}")
+    context_len, first = check_prefill_inputs(q, k_pool, v_pool, block_table, q_positions, scale,
+                                              sliding_window, scales)
     BS = k_pool.shape[1]
-    context_len = int(q_positions.max()) + 1
-    if context_len > block_table.shape[0] * BS:
-        _fail("q_positions", f"max position {context_len - 1} is outside 0..{block_table.shape[0] * BS - 1} "
-                             f"(block_table holds {block_table.shape[0]} blocks x BS {BS})")
-    first = first_visible_position(int(q_positions.min()) + 1, sliding_window)
-    lens = torch.tensor([context_len], dtype=torch.int32, device=q.device)
-    check_block_tables(block_table[None], lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
-                       first_positions=lens * 0 + first)
     first_col, last_col = first // BS, -(-context_len // BS)
     k = _gather(k_pool, scales[0] if scales else None, block_table[None], first_col, last_col)  # [1, L, Hkv, D]
     v = _gather(v_pool, scales[1] if scales else None, block_table[None], first_col, last_col)
