@@ -279,6 +279,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
     num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 
     def __post_init__(self) -> None:
         check_num_threads(self.num_threads)
@@ -339,3 +340,46 @@ class SchedulerConfig:
     def tenant_quota(self, tenant: str | None) -> int | None:
         """How many requests of `tenant` may run at once (None: no limit)."""
         return self.tenant_max_running.get(tenant, self.default_tenant_max_running)
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # a collective that waits this long means a rank died or hangs: fail
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is split over processes (chapter 08; vLLM's option names).
+
+    tensor_parallel_size: every layer's matmuls split over this many ranks (engine/parallel/tensor_parallel.py);
+        it must divide the query heads, the KV heads and the MLP width.
+    pipeline_parallel_size: the layers split into this many stages, one per rank (engine/parallel/pipeline.py).
+    num_micro_batches: a pipelined step's requests go through the stages in this many groups, so that
+        stage 2 works on group 1 while stage 1 works on group 2 (None: as many as stages).
+    collective_timeout_s: the longest any rank waits for another; past it the step fails with an error
+        instead of hanging (a rank that died or got stuck).
+    We split one way at a time: tensor OR pipeline parallel (vLLM combines them; the code would too, at
+    the price of two process groups, which the chapter does not need).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_micro_batches: int | None = None
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        _require(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
+                 f"tensor_parallel_size={self.tensor_parallel_size} and pipeline_parallel_size="
+                 f"{self.pipeline_parallel_size}: this engine splits one way at a time; set one of them to 1")
+        _require(self.num_micro_batches is None or (_is_int(self.num_micro_batches) and self.num_micro_batches >= 1),
+                 f"num_micro_batches must be None (as many as stages) or an integer >= 1, "
+                 f"got {self.num_micro_batches!r}")
+        timeout = self.collective_timeout_s
+        _require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf,
+                 f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+    @property
+    def world_size(self) -> int:
+        """How many processes (ranks) run the model: 1 means no split at all."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,6 +36,18 @@ from engine.memory import kv_block_bytes, num_kv_blocks
 
 logger = logging.getLogger("engine")
 GiB = 2**30
+
+
+@dataclass
+class PoolShape:
+    """How many blocks of what a pool holds: what every rank of a parallel engine needs to build its share
+    (the same block ids everywhere; engine/parallel/executor.py)."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    num_swap_blocks: int = 0
+    num_host_blocks: int = 0
 
 
 class PagedKVPool:

@@ -46,13 +46,13 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_pool import PagedKVPool, log_kv_cache, plan_num_blocks
+from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from engine.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
 from engine.prefix_cache import cache_key
 from engine.prefix_cache import model_id as weights_id
 from engine.request import SWAPPED, Request, validate_token_ids
-from engine.runner import PagedAttention, build_batch, run_model
+from engine.runner import ModelRunner, PagedAttention
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.threads import default_num_threads, torch_threads
@@ -64,18 +64,19 @@ def engine_config(model: str = "tinylab", dtype: str = "float32", attention_back
                   num_threads: int | None = None, **options) -> EngineConfig:
     """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
     (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
-    names = {group: {f.name for f in dataclasses.fields(cls)}
-             for group, cls in (("scheduler", SchedulerConfig), ("cache", CacheConfig))}
+    groups = (("scheduler", SchedulerConfig), ("cache", CacheConfig), ("parallel", ParallelConfig))
+    names = {group: {f.name for f in dataclasses.fields(cls)} for group, cls in groups}
     picked: dict[str, dict] = {group: {} for group in names}
     for key, value in options.items():
         owner = next((group for group, fields in names.items() if key in fields), None)
         if owner is None:
-            known = sorted(names["scheduler"] | names["cache"])
+            known = sorted(set().union(*names.values()))
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         picked[owner][key] = value
     return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend, num_threads=num_threads,
                         cache=CacheConfig(**picked["cache"]),
-                        scheduler=SchedulerConfig(**picked["scheduler"]))
+                        scheduler=SchedulerConfig(**picked["scheduler"]),
+                        parallel=ParallelConfig(**picked["parallel"]))
 
 
 class LLMEngine:
@@ -105,12 +106,12 @@ class LLMEngine:
         # weights (engine/prefix_cache.py), so new weights never read the old weights' K/V.
         self.model_id = model_id or weights_id(config.model, cfg, model.state_dict().items())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.kv_pool = PagedKVPool.for_model(cfg, num_blocks, cache.block_size, kv_dtype, weight.device,
-                                             swap_blocks, host_blocks)
-        self.attention = PagedAttention(self.kv_pool, config.attention_backend, self.sliding_window)
+        self.num_threads = config.num_threads or default_num_threads(cfg.num_params())
+        pool = PoolShape(num_blocks, cache.block_size, kv_dtype, swap_blocks, host_blocks)
+        self.runner = self._make_runner(model, pool)  # this process's forward, or rank 0's of several
+        self.kv_pool, self.attention = self.runner.kv_pool, self.runner.attention  # (rank 0's share)
         log_kv_cache(self.kv_pool, self.max_model_len)
         self.device = weight.device
-        self.num_threads = config.num_threads or default_num_threads(cfg.num_params())
         self.eos = eos_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
@@ -129,6 +130,29 @@ class LLMEngine:
         config = engine_config(model, dtype, attention_backend, **options)
         llama, tokenizer = load_model(model, dtype=getattr(torch, dtype))
         return cls(llama, tokenizer, config)
+
+    def _make_runner(self, model: LlamaModel, pool: PoolShape):
+        """The forward of one process (`ModelRunner`), or, with tensor/pipeline parallel, rank 0's side of
+        several (`engine.parallel.ParallelExecutor`: it starts the other ranks, or joins torchrun's)."""
+        par = self.config.parallel
+        if par.world_size == 1:
+            kv_pool = PagedKVPool.for_model(model.config, pool.num_blocks, pool.block_size, pool.dtype,
+                                            model.embed_tokens.weight.device, pool.num_swap_blocks,
+                                            pool.num_host_blocks)
+            return ModelRunner(model, PagedAttention(kv_pool, self.config.attention_backend, self.sliding_window))
+        from engine.parallel.comm import launched_by_torchrun
+        from engine.parallel.executor import ParallelExecutor, default_worker_threads
+
+        if model.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("tensor/pipeline parallel runs on CPU ranks over gloo here; load the model on the CPU")
+        self.num_threads = default_worker_threads(self.num_threads, par.world_size)
+        start = ParallelExecutor.join_torchrun if launched_by_torchrun() else ParallelExecutor.start
+        return start(model, self.config, pool, self.sliding_window, self.num_threads)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel engine (nothing to do for one process). Idempotent."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -339,14 +363,12 @@ class LLMEngine:
         prompt). The forward's time is shared between prefill and decode in proportion to their
         token counts (they share every matmul, so only the attention part could be told apart)."""
         t0 = time.perf_counter()
-        moved = self.kv_pool.apply_moves(sched.moves)  # in decision order, even when nothing runs
+        moved, logits = self.runner.execute(sched.moves, sched.work, self.block_manager)  # logits [S, V]
         if moved:
             sched.events.append({"type": "blocks_moved", **moved,
                                  "bytes": sum(moved.values()) * self.kv_pool.block_nbytes})
         if not sched.work:
             return {}
-        input_ids, positions, meta = build_batch(sched.work, self.block_manager, self.device)
-        logits = run_model(self.model, self.attention, input_ids, positions, meta)  # [S, V]
         t1 = time.perf_counter()
         owners, rows = [], []
         for row, w in enumerate(w for w in sched.work if w.samples):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, BlockMove
 from engine.kv_pool import PagedKVPool
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledWork
@@ -128,6 +128,25 @@ def build_batch(work: list[ScheduledWork], block_manager: BlockManager, device) 
     )
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, N]
     return input_ids, torch.tensor([positions], device=device), meta  # positions [1, N]
+
+
+class ModelRunner:
+    """Runs a step's forward in this process: the block moves, the packed batch, the model.
+
+    The parallel executors (engine/parallel/executor.py) have the same `execute`, and spread it over ranks."""
+
+    def __init__(self, model: LlamaModel, attention: PagedAttention):
+        self.model, self.attention, self.kv_pool = model, attention, attention.kv_pool
+
+    def execute(self, moves: list[BlockMove], work: list[ScheduledWork],
+                block_manager: BlockManager) -> tuple[dict[str, int], Tensor | None]:
+        """Apply the block moves (in order, even when nothing runs), then the forward; returns the blocks moved
+        per kind and the logits [S, V] of the rows that sample (None when there is no work)."""
+        moved = self.kv_pool.apply_moves(moves)
+        if not work:
+            return moved, None
+        input_ids, positions, meta = build_batch(work, block_manager, self.kv_pool.device)
+        return moved, run_model(self.model, self.attention, input_ids, positions, meta)
 
 
 @torch.inference_mode()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from engine_fixtures import VOCAB, random_model
 
-from engine import llm_engine
+from engine import llm_engine, runner
 from engine.llm_engine import LLMEngine, engine_config
 from engine.naive import generate_naive
 from engine.request import RUNNING, SWAPPED, WAITING
@@ -224,9 +224,10 @@ def state_of(engine: LLMEngine) -> tuple:
 
 
 def test_random_arrivals_aborts_bad_prompts_and_failing_steps_never_break_the_engine(monkeypatch):
-    switches = {name: FailSwitch(getattr(llm_engine, name)) for name in ("run_model", "sample")}
+    modules = {"run_model": runner, "sample": llm_engine}  # where each is looked up at call time
+    switches = {name: FailSwitch(getattr(module, name)) for name, module in modules.items()}
     for name, switch in switches.items():
-        monkeypatch.setattr(llm_engine, name, switch)
+        monkeypatch.setattr(modules[name], name, switch)
     seen = Counter()
     for seed in range(NUM_TRIALS):
         trial = Trial(seed, switches)

@@ -10,7 +10,7 @@ from engine_fixtures import VOCAB, random_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine import llm_engine
+from engine import llm_engine, runner
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
 from engine.naive import generate_naive
@@ -145,7 +145,8 @@ def test_a_step_that_raises_fails_only_the_requests_it_ran_and_the_engine_goes_o
     work = greedy_workload(6, seed=1)
     engine = LLMEngine(MODEL, None, engine_config(max_num_seqs=3, num_blocks=40, block_size=BLOCK_SIZE))
     ids = [engine.add_request(p, sp) for p, sp in work]
-    monkeypatch.setattr(llm_engine, where, FailingCall(getattr(llm_engine, where), fail_at=3))
+    module = runner if where == "run_model" else llm_engine  # the forward runs in engine/runner.py
+    monkeypatch.setattr(module, where, FailingCall(getattr(module, where), fail_at=3))
     engine.step(), engine.step()
     with pytest.raises(RuntimeError, match="simulated out of memory"):
         engine.step()
@@ -168,7 +169,7 @@ def test_a_step_that_raises_fails_only_the_requests_it_ran_and_the_engine_goes_o
 
 def test_llm_generate_warns_once_for_a_failing_step_and_returns_everyone_else(monkeypatch):
     work = greedy_workload(5, seed=2)
-    monkeypatch.setattr(llm_engine, "run_model", FailingCall(llm_engine.run_model, fail_at=2))
+    monkeypatch.setattr(runner, "run_model", FailingCall(runner.run_model, fail_at=2))
     llm = LLM(MODEL, max_num_seqs=2)
     with pytest.warns(RuntimeWarning, match="a step raised RuntimeError") as caught:
         outputs = llm.generate([p for p, _ in work], [sp for _, sp in work], use_tqdm=False)

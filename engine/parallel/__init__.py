@@ -1,0 +1,1 @@
+"""Chapter 08: splitting one model across processes (tensor and pipeline parallel) and running replicas."""
