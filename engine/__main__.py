@@ -15,6 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cmd_generate(args) -> None:
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        return cmd_generate_parallel(args)
     from engine.kv_cache import generate_cached
     from engine.loader import load_model
     from engine.naive import generate_naive
@@ -35,6 +37,28 @@ def cmd_generate(args) -> None:
     print(f"\n\n[finish_reason={result.finish_reason}  tokens={len(result.token_ids)}  "
           f"TTFT={result.ttft_s * 1e3:.1f} ms  TPOT={result.tpot_s * 1e3:.1f} ms  "
           f"{'naive loop' if args.no_cache else 'KV cache'}, {threads} torch thread(s)]")
+
+
+def cmd_generate_parallel(args) -> None:
+    """generate through the paged engine split over processes (chapter 08): the whole text at the end."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size, num_threads=args.threads)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed)
+        t0 = time.perf_counter()
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0]
+        seconds, stats = time.perf_counter() - t0, llm.engine.runner.comm_stats
+        print(args.prompt + out.text)
+        moved = ", ".join(f"{kind} {nbytes / 1e6:.2f} MB" for kind, nbytes in stats.bytes.items() if nbytes)
+        print(f"\n[finish_reason={out.finish_reason}  tokens={len(out.token_ids)}  {seconds:.2f} s  "
+              f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}, {llm.engine.num_threads} torch "
+              f"thread(s) per rank; rank 0 moved: {moved}]")
+    finally:
+        llm.engine.shutdown()
 
 
 def cmd_eval(args) -> None:
@@ -262,6 +286,10 @@ def main(argv=None) -> None:
     g.add_argument("--no-cache", action="store_true", help="use chapter 01's naive loop")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 for small models, see engine/threads.py)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split every layer over this many processes (chapter 08; or start it under torchrun)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the layers into this many stages, one process each (chapter 08)")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser("eval", help="evaluate a model on the task suite")
     e.add_argument("--model", default="tinylab")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import exercises
-from engine import block_manager, memory, sampling
+from engine import admission, block_manager, diagnose, memory, sampling
 from exercises.__main__ import main
 from exercises.solutions import ch01_sampling as ch01_solutions
 
@@ -114,6 +114,12 @@ def test_the_engine_block_allocator_passes_the_chapter_04_allocator_checks():
     engine = types.SimpleNamespace(BlockAllocator=block_manager.BlockAllocator)
     results = _passes_named("ch04", engine, ("allocat",))
     assert [r for r in results if not r.passed] == [] and len(results) >= 5
+
+
+def test_the_engine_token_bucket_and_arrival_halves_pass_their_ch10_checks():
+    engine = types.SimpleNamespace(TokenBucket=admission.TokenBucket, arrival_halves=diagnose.arrival_halves)
+    results = _passes_named("ch10", engine, ("token_bucket", "arrival_halves"))
+    assert [r for r in results if not r.passed] == [] and len(results) >= 10
 
 
 def test_an_error_inside_the_students_code_names_its_file_and_line():

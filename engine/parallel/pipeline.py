@@ -25,7 +25,6 @@ chapter 08 can draw the picture above from a real step.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 
 from engine.model import LlamaModel
 from engine.parallel.comm import Comm
+from engine.parallel.tensor_parallel import shallow_copy
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -65,13 +65,11 @@ def make_stage(model: LlamaModel, stage: int, num_stages: int) -> LlamaModel:
     """A copy of `model` with only `stage`'s layers (renumbered from 0, so they index this stage's KV pool);
     the embedding stays on the first stage, the final norm and LM head on the last."""
     keep = stage_layers(model.config.num_hidden_layers, num_stages, stage)
-    shard = copy.copy(model)  # a shallow copy: the same parameter tensors, our own module lists
-    shard._modules = dict(model._modules)
+    shard = shallow_copy(model)  # the same parameter tensors, our own module tree
     layers = []
     for local, index in enumerate(keep):
-        layer = copy.copy(model.layers[index])
-        layer._modules = dict(layer._modules)
-        layer.self_attn = copy.copy(layer.self_attn)
+        layer = shallow_copy(model.layers[index])
+        layer.self_attn = shallow_copy(layer.self_attn)
         layer.self_attn.layer = local  # this stage's KV pool has len(keep) layers
         layers.append(layer)
     shard.layers = nn.ModuleList(layers)

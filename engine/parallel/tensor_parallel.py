@@ -133,8 +133,10 @@ def shard_model(model: LlamaModel, comm: Comm) -> LlamaModel:
     ones above, so `runner.run_model` runs it unchanged and the all-reduces happen inside."""
     cfg, rank, world = model.config, comm.rank, comm.world_size
     check_tensor_parallel(cfg, world)
-    shard = copy.deepcopy(model)
+    shard = shallow_copy(model)  # our own module tree over the same tensors; replaced layers hold 1/W copies
+    shard.layers = torch.nn.ModuleList(shallow_copy(layer) for layer in model.layers)
     for layer in shard.layers:
+        layer.self_attn, layer.mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear.from_linear(_linear(attn, name), rank, world))
@@ -150,6 +152,13 @@ def shard_model(model: LlamaModel, comm: Comm) -> LlamaModel:
         head_weight = VocabParallelEmbedding(model.lm_head.weight.detach(), rank, world, comm).weight
     shard.lm_head = VocabParallelLMHead(head_weight, cfg.vocab_size, comm)
     return shard.eval()
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose submodules we may replace without touching the original's."""
+    twin = copy.copy(module)
+    twin._modules = dict(module._modules)
+    return twin
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear:
