@@ -203,6 +203,12 @@ class AsyncLLMEngine:
         finally:
             await stream.aclose()
 
+    async def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Abort `request_id` now, on the engine thread between two steps, and say whether we did: False when
+        no request of that id is in flight (never added, or finished already). When this returns True, its
+        KV blocks are back in the pool and its stream has its last update (`abort_reason` = `reason`)."""
+        return await self.run(lambda e: self._abort(request_id, reason))
+
     def abort_soon(self, request_id: str, reason: str = "cancelled") -> None:
         """Abort `request_id` before the next step (no-op if it already finished). Never blocks."""
         if self._thread.is_alive():
@@ -275,10 +281,10 @@ class AsyncLLMEngine:
             if reason is not None:
                 self._abort(rid, reason)
 
-    def _abort(self, request_id: str, reason: str = "cancelled") -> None:
+    def _abort(self, request_id: str, reason: str = "cancelled") -> bool:
         t = self._tracked.get(request_id)
         if t is None:  # finished (and retired) meanwhile: nothing to do
-            return
+            return False
         aborted = any(not s.is_finished for s in t.samples)
         if aborted:
             self.engine.abort_request(request_id)  # every unfinished sample: blocks back to the pool now
@@ -287,6 +293,7 @@ class AsyncLLMEngine:
         self._emit(request_id, self.engine.clock())
         if not self.engine.has_unfinished_requests():
             self._step()  # an empty step, so the trace records the abort now, not at the next arrival
+        return aborted
 
     def _step(self) -> None:
         steps = self.engine.trace.steps

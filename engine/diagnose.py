@@ -1,6 +1,6 @@
 """Troubleshooting a slow deployment in a fixed order, on a saved `Trace` (chapter 10).
 
-    python -m engine diagnose TRACE.json
+    python -m engine diagnose TRACE.json      # the quality record, if any, is read from the trace
 
 When a service gets slow, the tempting move is to guess (a bad GPU, a noisy neighbour) and to start
 tuning. The text gives an order instead, from the cheapest question to the most specific, and we walk
@@ -13,6 +13,7 @@ index):
     (4) is the step itself slower?            the engine's TimeSplit: the forward vs the CPU work around
                                               it (scheduling, sampling, detokenizing: "other")
     (5) did anything change?                  the run's configuration, and `config_changed` events
+    (6) are the answers still right?          task scores of the version before and after (quality record)
 
 Each step prints what it sees; the first of these rules that fires, in this order, is the finding:
 
@@ -23,13 +24,28 @@ Each step prints what it sees; the first of these rules that fires, in this orde
                             (with the config change that came just before, if the trace recorded one)
     slow_cpu_outside_forward  the time per step outside the forward grew >= OUTSIDE_GROWTH x, to at least
                             OUTSIDE_SHARE of the step (a slow tokenizer or detokenizer, a slow sampler)
+    quality_regression      a task's score got worse by more than QUALITY_DROP (a rate) or PERPLEXITY_GROWTH x
+                            (a perplexity) from the first version scored to the last
     healthy                 none of the above
 
 The order matters because causes mask each other: a flood of requests also fills the KV pool and
 preempts, longer prompts also slow each step; we name the first link in the chain. The thresholds are
 generous on purpose: a trace from a busy laptop wobbles, a real incident moves numbers by multiples.
-Step (6) of the text, checking quality metrics so that wrong answers are never traded for fast ones,
-needs the task scores (engine/lab/eval.py), not a trace.
+
+Step (6) is the text's last check: quality, so that wrong answers are never traded for good-looking
+latency. Steps (1)-(5) only look for slowness, so a change that makes the service faster AND wrong
+(a model pruned or quantized too far, a cache that serves stale answers) passes them all; only task
+scores see it. A trace does not hold them, so we read a quality record: the rows of engine/lab/eval.py
+(`evaluate_model`, `tasks.evaluate`: {"task", "metric", "value", "n"}) per version, oldest first,
+
+    {"tinylab": [{"task": "arith", "metric": "exact", "value": 0.81, "n": 16}, ...],
+     "tinylab-3-layers": [{"task": "arith", "metric": "exact", "value": 0.0, "n": 16}, ...]}
+
+passed as `diagnose(trace, quality=...)` or stored in `trace.config["quality"]` (the incident runner does;
+`python -m engine diagnose` reads it from there). We compare each (task, metric) of the first version with
+the last. Without a record, step (6) says that it could not check, and "healthy" only means "not slow".
+When an earlier rule fires and quality fell too, the finding stays the earlier rule's and its summary adds
+the regression: the order names the first link, and a wrong answer must never go unmentioned.
 """
 
 from __future__ import annotations
@@ -49,16 +65,21 @@ CACHE_HIT_BEFORE = 0.3  # a prefix cache that was earning its keep ...
 CACHE_COLLAPSE_FRACTION = 0.5  # ... and then lost more than half of its hit rate
 OUTSIDE_GROWTH = 2.0  # the time around the forward doubled ...
 OUTSIDE_SHARE = 0.1  # ... and is no longer a rounding error (the forward's own speed depends on the machine)
+# 10 points of a rate: with the few dozen examples a quick eval scores, one answer moves a rate by a few points;
+# a change that breaks a task moves it by tens.
+QUALITY_DROP = 0.10
+PERPLEXITY_GROWTH = 1.2  # a perplexity 20% higher: the model is clearly less sure of the right text
+LOWER_IS_BETTER = frozenset({"false_refusal_rate", "perplexity"})  # engine/lab/tasks.py's metrics
 
 MEASURABLE_S = 0.001  # below a millisecond a ratio says nothing
-ORDER = ("where the time goes", "traffic mix", "KV cache", "step time split", "changes")
+ORDER = ("where the time goes", "traffic mix", "KV cache", "step time split", "changes", "quality")
 
 
 @dataclass
 class Finding:
     """What one step of the order saw (`lines`), and the cause it points at, if any."""
 
-    step: int  # 1..5, in ORDER
+    step: int  # 1..6, in ORDER
     lines: list[str] = field(default_factory=list)
     cause: str | None = None
     why: str = ""
@@ -292,23 +313,90 @@ def config_changes(trace: Trace) -> list[tuple[int, dict]]:
     return [(r.step, e) for r in trace.steps for e in r.events if e.get("type") == "config_changed"]
 
 
+# ---- (6) quality -------------------------------------------------------------------------------------------
+
+
+def answer_quality(record: dict | None, splits: list[RequestSplit]) -> Finding:
+    """Compare the first and the last version's task scores (the quality record: module docstring)."""
+    f = Finding(6)
+    if not record:
+        f.lines.append("no quality record (trace.config['quality']): the trace shows speed, not whether the "
+                       "answers are right; score each version with engine/lab/eval.py")
+        return f
+    versions = _check_record(record)
+    if len(versions) < 2:
+        f.lines.append(f"only one version scored ({versions[0]}): nothing to compare it with")
+        return f
+    old, new = versions[0], versions[-1]
+    before = {(r["task"], r["metric"]): r["value"] for r in record[old]}
+    f.lines.append(f"task scores, {old} -> {new}:")
+    for r in record[new]:
+        a, b = before.get((r["task"], r["metric"])), r["value"]
+        if a is None:
+            continue
+        worse = _got_worse(r["metric"], a, b)
+        f.lines.append(f"{r['task']} {r['metric']}: {a:.3f} -> {b:.3f}{'  (worse)' if worse else ''}")
+        if worse and f.cause is None:
+            f.cause, f.why = "quality_regression", (f"{r['task']} {r['metric']} went from {a:.3f} to {b:.3f} "
+                                                    f"({old} -> {new}){_latency_note(splits)}: the answers are "
+                                                    "wrong, however fast they come")
+    return f
+
+
+def _check_record(record) -> list[str]:
+    """The versions of a quality record, oldest first; a malformed record is refused, naming the bad part."""
+    if not isinstance(record, dict):
+        raise ValueError(f"quality: must map a version name to its rows of engine/lab/eval.py, got a "
+                         f"{type(record).__name__}")
+    for version, rows in record.items():
+        for i, row in enumerate(rows if isinstance(rows, list) else [rows]):
+            ok = isinstance(row, dict) and {"task", "metric", "value"} <= set(row)
+            if not ok or not isinstance(row["value"], int | float):
+                raise ValueError(f"quality[{version!r}][{i}]: {row!r} is not a row of engine/lab/eval.py; each row "
+                                 "needs 'task', 'metric' and a number 'value' (as evaluate_model returns them)")
+    return list(record)
+
+
+def _got_worse(metric: str, before: float, after: float) -> bool:
+    base = metric.split("[")[0]  # "accuracy_by_length[128-255]" is an accuracy
+    if math.isnan(before) or math.isnan(after):
+        return False
+    if base == "perplexity":
+        return after >= before * PERPLEXITY_GROWTH
+    return (after - before if base in LOWER_IS_BETTER else before - after) > QUALITY_DROP
+
+
+def _latency_note(splits: list[RequestSplit]) -> str:
+    first, second = arrival_halves(splits)
+    if not first or not second:
+        return ""
+    e2e = [_median(s.queue_s + s.prefill_s + s.decode_s for s in h) for h in (first, second)]
+    return f", while the median request took {e2e[0]:.3f} -> {e2e[1]:.3f} s"
+
+
 # ---- the walk ----------------------------------------------------------------------------------------------
 
 
-def diagnose(trace: Trace) -> Diagnosis:
-    """Walk the order on `trace`; the first rule that fires is the finding (see the module docstring)."""
+def diagnose(trace: Trace, quality: dict | None = None) -> Diagnosis:
+    """Walk the order on `trace`; the first rule that fires is the finding (see the module docstring).
+    `quality`: the quality record (version -> engine/lab/eval.py rows); default `trace.config["quality"]`."""
     splits = request_splits(trace)
+    record = quality if quality is not None else trace.config.get("quality")
     findings = [where_time_goes(splits), traffic_mix(splits), kv_cache(trace, splits), step_time_split(trace),
-                changes(trace)]
+                changes(trace), answer_quality(record, splits)]
     cause = next((f for f in findings if f.cause is not None), None)
     if cause is None:
         return Diagnosis(findings, "healthy", "no rule fired: the traffic, the KV cache and the step time split "
-                         "look the same in both halves of the run")
+                         "look the same in both halves of the run" + ("" if record else " (no quality record: "
+                                                                      "step 6 could not check the answers)"))
     summary = cause.why
     recorded = config_changes(trace)
     if recorded:
         step, e = recorded[-1]
         summary += f"; it follows the recorded change at step {step}: {e['what']} {e.get('old')!r} -> {e.get('new')!r}"
+    regression = findings[-1]
+    if regression.cause is not None and regression is not cause:
+        summary += f"; and step (6) found a quality regression too: {regression.why}"
     return Diagnosis(findings, cause.cause, summary)
 
 

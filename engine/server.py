@@ -5,7 +5,8 @@
          -d '{"model": "tinylab", "prompt": "12+7=", "max_tokens": 8, "temperature": 0, "stream": true}'
 
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's request and response shapes; with
-"stream": true, server-sent events), GET /v1/models, /health and /metrics (Prometheus text, vLLM's names).
+"stream": true, server-sent events), POST /v1/requests/{request_id}/cancel (below), GET /v1/models, /health
+and /metrics (Prometheus text, vLLM's names).
 
 A request's way through the server, one direction only:
 
@@ -22,6 +23,27 @@ exceptions (`openai.BadRequestError`, `openai.NotFoundError`, ...).
 A client that hangs up (closes the stream, or gives up on a non-streamed request) aborts its request:
 its KV blocks are back in the pool before the engine's next step.
 
+Cancelling by id (chapter 10). Every request has an id: the response's "id" (in every stream chunk), also
+sent as the `X-Request-Id` response header, which a stream's client has at once. A non-streamed answer (and
+its id) only arrives at the end, so a client may name its request itself: send `X-Request-Id: <id>` (1 to
+128 of the characters A-Z a-z 0-9 . _ ~ -, so the id goes into a URL as it is) and that is the request's id;
+an id still in flight gets 409. Then anyone holding the id (another connection, a gateway, a "stop" button)
+may call
+
+    POST /v1/requests/{request_id}/cancel   ->  200 {"id": ..., "object": "request", "status": "cancelled"}
+
+We use OpenAI's verb for stopping work it started (POST /v1/responses/{id}/cancel, /v1/batches/{id}/cancel);
+vLLM has no such route (it aborts on disconnect only), SGLang has POST /abort_request with the id in the body.
+The request is aborted on the engine thread before the cancel returns, so its KV blocks are free before the
+next step. Its stream ends like any aborted one: a last chunk with finish_reason "abort" (then usage, if asked,
+and `data: [DONE]`), with no error event, because the stop was asked for; a non-streamed waiter gets 200 with
+the text so far and finish_reason "abort". It counts in `vllm:request_aborts_total{reason="cancelled"}`. An id
+that is unknown or finished already gets 404 ("request_not_found"). With API keys, ids live in a namespace per
+tenant (two tenants may both say "job-1"; the engine's id is "<tenant>/<id>"): a key can only reach its own
+tenant's requests, and another tenant's id is answered 404 exactly like an unknown one (not 403), so a key
+cannot probe which ids others use. Without keys there is no identity to check: the id is the permission (the
+server's own ids are random UUIDs; a client's own ids are as guessable as the client makes them).
+
 Extras beyond OpenAI's fields, with vLLM's names: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, and return_token_ids (each choice then carries its "token_ids"). OpenAI's `user` becomes
 the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant metrics buckets), unless the
@@ -35,7 +57,7 @@ a request not started within `queue_timeout_s` gets 503, one not finished within
 (a stream gets an error event instead), and both are aborted, their blocks freed. A request may ask for
 shorter timeouts with the extra fields `queue_timeout_s` / `request_timeout_s`. /metrics counts rejections
 (`vllm:admission_rejections_total{reason}`) and aborts (`vllm:request_aborts_total{reason}`: timeouts,
-client disconnects).
+client disconnects, cancels).
 """
 
 from __future__ import annotations
@@ -43,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -72,6 +95,10 @@ SHOWN_INPUT_CHARS = 60  # an error message quotes at most this much of a bad val
 STARTUP_WAIT_S = 30.0  # BackgroundServer: how long to wait for uvicorn to listen
 STARTUP_POLL_S = 0.01
 GRACEFUL_SHUTDOWN_S = 5.0  # BackgroundServer.stop: how long open streams may go on before they are cut
+REQUEST_ID_HEADER = "X-Request-Id"  # vLLM's and most proxies' name for it
+# A client's own request id: URL-safe characters only (RFC 3986's unreserved set), so it goes into
+# /v1/requests/{id}/cancel as it is; 128 characters hold a UUID with any prefix and still fit a log line.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
 # ---- errors in OpenAI's shape ------------------------------------------------------------------------
@@ -321,6 +348,16 @@ class OpenAIServer:
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await self._serve(request, body, ids, room if asked is None else asked, "chatcmpl", _ChatShape())
 
+    async def cancel(self, request: Request, request_id: str) -> dict:
+        """POST /v1/requests/{request_id}/cancel: abort a request in flight (see the module docstring)."""
+        scope = self._key_tenant(request)  # with keys: 401 for an unknown key, else only its tenant's ids
+        if not await self.front.abort(_engine_id(request_id, scope), "cancelled"):
+            mine = " of this API key's tenant" if scope is not None else ""
+            raise OpenAIError(404, f"no request{mine} with id {request_id!r} is in flight: it finished already or "
+                              "never existed (the id is the response's \"id\" or its X-Request-Id header)",
+                              "request_id", "request_not_found", "not_found_error")
+        return {"id": request_id, "object": "request", "status": "cancelled"}
+
     # ---- the shared path ------------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[BaseModel]):
         self._key_tenant(request)  # an unknown key is refused before we read its body
@@ -416,8 +453,8 @@ class OpenAIServer:
     async def _serve(self, request: Request, body: _Sampling, ids: list[int], max_tokens: int, kind: str,
                      shape: _Shape) -> Response:
         params = self._params(body, len(ids), max_tokens)
-        request_id = f"{kind}-{uuid.uuid4().hex}"
         tenant = body.user if self.api_keys is None else self._key_tenant(request)
+        public_id, request_id = await self._request_id(request, kind, None if self.api_keys is None else tenant)
         try:
             stream = await self.front.add_request(ids, params, request_id, body.queue_timeout_s,
                                                   body.request_timeout_s, tenant=tenant)
@@ -427,13 +464,38 @@ class OpenAIServer:
             raise OpenAIError(e.status, e.message, None, e.reason, kind, e.retry_after_s) from None
         except (ValueError, TypeError) as e:  # the engine's checks: it kept nothing
             raise bad_request(str(e)) from None
-        reply = _Reply(request_id, int(time.time()), self.model_name, body, shape, self.limits.retry_after_s)
+        reply = _Reply(public_id, int(time.time()), self.model_name, body, shape, self.limits.retry_after_s)
         if body.stream:
-            return StreamingResponse(_sse(stream, reply), media_type="text/event-stream")
+            return StreamingResponse(_sse(stream, reply), media_type="text/event-stream",
+                                     headers={REQUEST_ID_HEADER: public_id})
         updates = await _collect(stream, request)
         if updates is None:  # the client hung up: nobody to answer
             return Response(status_code=499)
-        return reply.whole(updates)
+        response = reply.whole(updates)
+        response.headers[REQUEST_ID_HEADER] = public_id
+        return response
+
+    async def _request_id(self, request: Request, kind: str, scope: str | None) -> tuple[str, str]:
+        """(the id the client sees, the engine's id): the client's X-Request-Id, else "<kind>-<uuid>";
+        with API keys the engine's id is "<tenant>/<id>" (`scope` is the tenant), so tenants never collide."""
+        asked = request.headers.get(REQUEST_ID_HEADER)
+        if asked is None:
+            public_id = f"{kind}-{uuid.uuid4().hex}"
+            return public_id, _engine_id(public_id, scope)
+        if CLIENT_REQUEST_ID.fullmatch(asked) is None:
+            raise bad_request(f"{REQUEST_ID_HEADER}: {_short(asked)} is not a usable request id; use 1 to 128 of "
+                              "the characters A-Z a-z 0-9 . _ ~ - (or leave the header out for a server id)",
+                              None, "invalid_request_id")
+        engine_id = _engine_id(asked, scope)
+        if await self.front.run(lambda e: engine_id in e.requests):
+            raise OpenAIError(409, f"{REQUEST_ID_HEADER}: a request with id {asked!r} is still in flight; give "
+                              "each request an id of its own", None, "duplicate_request_id")
+        return asked, engine_id
+
+
+def _engine_id(public_id: str, scope: str | None) -> str:
+    """The engine's request id for a client's id: the id itself, or "<tenant>/<id>" with API keys."""
+    return public_id if scope is None else f"{scope}/{public_id}"
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict:
@@ -615,6 +677,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_request_byte
     app.get("/metrics")(server.metrics_text)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/v1/requests/{request_id}/cancel")(server.cancel)
     app.exception_handler(OpenAIError)(lambda request, exc: exc.response())
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(Exception)(_internal_error)

@@ -233,6 +233,47 @@ def test_a_server_with_keys_refuses_unknown_and_missing_keys_with_401(lab):
         assert served.idle_state()["used_blocks"] == 0
 
 
+def data_events(lines) -> list[dict | str]:
+    """The rest of an SSE stream's `data:` payloads, JSON-decoded (except the final "[DONE]")."""
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_a_tenant_can_cancel_only_its_own_requests_even_under_the_same_id(lab):
+    """Alice's request has a server-given id; bob names his own request with that very id. Bob's cancel reaches
+    only his; alice's request is out of his reach (404, the answer for an unknown id) and of a keyless call (401)."""
+    alice, bob = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
+    with serving(lab, max_num_seqs=2, api_keys=KEYS) as served:
+
+        def cancel(request_id: str, headers: dict) -> httpx.Response:
+            return httpx.post(f"{served.url}/v1/requests/{request_id}/cancel", headers=headers, timeout=WAIT_S)
+
+        def running() -> list[str]:
+            return served.on_engine(lambda e: sorted(r.request_id for r in e.scheduler.running))
+
+        with httpx.stream("POST", served.url + "/v1/completions", json=BUSY, headers=alice, timeout=WAIT_S) as a:
+            alice_lines = a.iter_lines()
+            request_id = json.loads(next(x for x in alice_lines if x.startswith("data: "))[len("data: "):])["id"]
+            with httpx.stream("POST", served.url + "/v1/completions", json=BUSY, timeout=WAIT_S,
+                              headers={**bob, "X-Request-Id": request_id}) as b:
+                bob_lines = b.iter_lines()
+                first = next(x for x in bob_lines if x.startswith("data: "))
+                assert json.loads(first[len("data: "):])["id"] == request_id
+                assert running() == [f"alice/{request_id}", f"bob/{request_id}"]  # one id, two namespaces
+                assert_openai_error(cancel(request_id, {}), 401, "invalid_api_key")
+                assert cancel(request_id, bob).json() == {"id": request_id, "object": "request", "status": "cancelled"}
+                bob_events = data_events(bob_lines)
+            assert bob_events[-1] == "[DONE]" and bob_events[-2]["choices"][0]["finish_reason"] == "abort"
+            assert running() == [f"alice/{request_id}"], "alice's request runs on"
+            assert_openai_error(cancel(request_id, bob), 404, "request_not_found")  # alice's is not bob's to see
+            assert running() == [f"alice/{request_id}"]
+            assert cancel(request_id, alice).status_code == 200
+            alice_events = data_events(alice_lines)
+        assert alice_events[-2]["choices"][0]["finish_reason"] == "abort"
+        assert served.metric("vllm:request_aborts_total", reason="cancelled") == 2
+        assert served.idle_state() == {"unfinished": False, "used_blocks": 0, "running": 0}
+
+
 # ---- timeouts: abort, free the blocks, tell the client, count it ------------------------------------------------
 
 

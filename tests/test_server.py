@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -254,6 +255,105 @@ def test_a_client_giving_up_on_a_plain_request_aborts_it(served):
         time.sleep(POLL_S)
     assert len(arrived) == 1
     assert_aborted_and_freed(served, arrived[0])
+
+
+# ---- cancelling by id: POST /v1/requests/{id}/cancel -------------------------------------------------------------
+
+
+def cancel(served: Served, request_id: str) -> httpx.Response:
+    return httpx.post(f"{served.url}/v1/requests/{request_id}/cancel", timeout=WAIT_S)
+
+
+def wait_for_requests(served: Served, ids: set[str]) -> None:
+    """Until every one of `ids` is in the engine (admitted, holding or waiting for blocks)."""
+    deadline = time.monotonic() + WAIT_S
+    while not ids <= set(on_engine(served, lambda e: e.requests)):
+        assert time.monotonic() < deadline, f"gave up waiting for {ids} to reach the engine"
+        time.sleep(POLL_S)
+
+
+def blocks_held(engine: LLMEngine) -> dict:
+    """Which sequences hold blocks, and whether they account for every block in use (no leak)."""
+    bm = engine.block_manager
+    held = {s: bm.num_held_blocks(s) for s in bm.seq_ids()}
+    return {"seqs": set(held), "accounted": sum(held.values()) == bm.usage().used_blocks}
+
+
+def test_cancelling_a_stream_from_a_second_client_ends_it_frees_its_blocks_and_spares_the_others(served):
+    before = scrape(served)
+    plain = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0,
+             "return_token_ids": True}
+    with (httpx.stream("POST", served.url + "/v1/completions", json={**LONG, "stream": True}, timeout=WAIT_S) as resp,
+          ThreadPoolExecutor(1) as pool):
+        lines = resp.iter_lines()
+        request_id = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])["id"]
+        assert resp.headers["X-Request-Id"] == request_id
+        other = pool.submit(httpx.post, served.url + "/v1/completions", json=plain, timeout=WAIT_S)
+        wait_for_requests(served, {request_id})
+        deadline = time.monotonic() + WAIT_S
+        while len(on_engine(served, lambda e: e.requests)) < 2 and not other.done():
+            assert time.monotonic() < deadline, "the second request never arrived"
+            time.sleep(POLL_S)
+        seq = on_engine(served, lambda e: e.get_request(request_id).seq_id)
+        cancelled = cancel(served, request_id)
+        held = on_engine(served, blocks_held)  # the pool just after the cancel returned
+        rest = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json() == {"id": request_id, "object": "request", "status": "cancelled"}
+    assert seq not in held["seqs"] and held["accounted"], "the cancelled request's blocks are free at once"
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert not any("error" in c for c in chunks), "a cancel asked for is not an error"
+    reply = other.result(WAIT_S)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == served.greedy[1].outputs[0].token_ids
+    assert_aborted_and_freed(served, request_id)
+    after = scrape(served)
+    assert metric(after, "vllm:request_aborts_total", reason="cancelled") == metric(
+        before, "vllm:request_aborts_total", reason="cancelled") + 1
+    assert metric(after, "vllm:request_aborts_total", reason="client_disconnect") == metric(
+        before, "vllm:request_aborts_total", reason="client_disconnect"), "counted once, as a cancel"
+
+
+def test_a_plain_request_named_by_its_client_can_be_cancelled_and_answers_abort(served):
+    own_id = "my-job_1.a~b"
+    with ThreadPoolExecutor(1) as pool:
+        waiter = pool.submit(httpx.post, served.url + "/v1/completions", json=LONG,
+                             headers={"X-Request-Id": own_id}, timeout=WAIT_S)
+        wait_for_requests(served, {own_id})
+        twin = httpx.post(served.url + "/v1/completions", json=LONG, headers={"X-Request-Id": own_id},
+                          timeout=WAIT_S)
+        assert cancel(served, own_id).status_code == 200
+        reply = waiter.result(WAIT_S)
+    assert twin.status_code == 409 and twin.json()["error"]["code"] == "duplicate_request_id"
+    assert reply.status_code == 200 and reply.headers["X-Request-Id"] == own_id
+    body = reply.json()
+    assert body["id"] == own_id and body["choices"][0]["finish_reason"] == "abort"
+    assert 0 <= body["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert_aborted_and_freed(served, own_id)
+
+
+@pytest.mark.parametrize("request_id", ["cmpl-0123456789abcdef", "finished"])
+def test_cancelling_an_unknown_or_finished_request_gets_404(served, request_id):
+    if request_id == "finished":
+        done = httpx.post(served.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=WAIT_S)
+        request_id = done.json()["id"]
+        assert done.headers["X-Request-Id"] == request_id
+    resp = cancel(served, request_id)
+    assert resp.status_code == 404, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and request_id in error["message"]
+    assert error["code"] == "request_not_found" and error["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("bad_id", ["has space", "x" * 129, "slash/inside", ""])
+def test_an_unusable_client_request_id_gets_400_and_leaves_no_trace(served, bad_id):
+    before = wait_for_idle(served)
+    resp = httpx.post(served.url + "/v1/completions", json={**LONG, "max_tokens": 2},
+                      headers={"X-Request-Id": bad_id}, timeout=WAIT_S)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request_id", resp.text
+    assert on_engine(served, engine_state) == before
 
 
 # ---- bad input: OpenAI's error shape, no trace in the engine, the server goes on ---------------------------------

@@ -12,6 +12,13 @@ changes:
     tenant_flood         one tenant starts sending several requests per step
     prefix_cache_collapse  a new chat template puts a per-request line BEFORE the shared system prompt,
                          so no two prompts share a prefix any more (the deploy recorded the change)
+    pruned_model         a deploy swaps in the model cut to its first half of layers: every step is faster,
+                         and the answers are wrong (the deploy recorded the change)
+
+The last one is invisible to steps (1)-(5) of the troubleshooting order, which look for slowness. Its
+requests are probes with known answers (held-out `arith` examples of engine/lab/tasks.py); after the run we
+score the answers of each half and store them in `trace.config["quality"]` as {version: rows of
+engine/lab/eval.py}, the quality record that step (6) of `engine.diagnose` compares.
 
 Arrivals are tied to engine steps, not to the wall clock, and every answer has exactly its drawn length
 (greedy, EOS ignored): the queues, blocks, preemptions and cache hits are the same on every machine;
@@ -28,13 +35,16 @@ A deploy tool writes what it changed into the trace as an event of the step at w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.lab import tasks
 from engine.llm_engine import LLMEngine, engine_config
+from engine.model import LlamaModel
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 
@@ -50,15 +60,17 @@ FLOOD_PER_STEP = 2  # the flooding tenant's requests per step (the normal pace i
 DETOKENIZER_DELAY_S = 0.003  # per token: ~10x what detokenizing one token costs, ~1 tinylab forward
 SYSTEM_PROMPT_TOKENS = 96  # the shared system prompt (6 blocks of 16) in the prefix-cache scenario
 USER_TOKENS = 8
+PRUNED_LAYERS_KEPT = 3  # of tinylab's 6: half the forward's work, and its arithmetic gone (exact match ~0.8 -> 0)
 
 
 @dataclass
 class Arrival:
     step: int  # added just before this engine step
-    prompt: list[int]
+    prompt: list[int] | str
     max_tokens: int
     tenant: str
     template_version: str | None = None
+    example: tasks.Example | None = None  # a probe with a known answer: scored after the run (quality record)
 
 
 @dataclass
@@ -68,6 +80,7 @@ class Scenario:
     arrivals: list[Arrival]
     options: dict = field(default_factory=dict)  # engine_config options
     at_half: Callable[[LLMEngine], None] | None = None  # what happens at the middle step
+    versions: tuple[str, str] = ("first half", "second half")  # the quality record's names for the halves
 
 
 # ---- workloads -------------------------------------------------------------------------------------------
@@ -101,6 +114,7 @@ def scenarios(vocab: list[int], seed: int = 0) -> dict[str, Scenario]:
                  steady(rng, vocab), at_half=_slow_down_detokenizer),
         _tenant_flood(rng, vocab),
         _prefix_cache_collapse(rng, vocab),
+        _pruned_model(rng, vocab, seed),
     ]
     return {s.name: s for s in out}
 
@@ -126,6 +140,17 @@ def _prefix_cache_collapse(rng: random.Random, vocab: list[int]) -> Scenario:
                                 "v2" if v2 else "v1"))
     return Scenario("prefix_cache_collapse", "halfway, a new chat template puts the user's line before the "
                     "shared system prompt", arrivals, {"enable_prefix_caching": True}, at_half=_record_template)
+
+
+def _pruned_model(rng: random.Random, vocab: list[int], seed: int) -> Scenario:
+    """The steady pace and lengths, but every prompt an arith probe (its answer known), so the halves can be
+    scored; halfway the model is swapped for its first PRUNED_LAYERS_KEPT layers."""
+    probes = tasks.eval_examples("arith", NUM_REQUESTS, seed=tasks.EVAL_SEED_BASE + seed)
+    arrivals = [Arrival(a.step, ex.prompt, a.max_tokens, a.tenant, example=ex)
+                for a, ex in zip(steady(rng, vocab), probes, strict=True)]
+    return Scenario("pruned_model", f"halfway, a deploy swaps in the model cut to its first {PRUNED_LAYERS_KEPT} "
+                    "layers: faster steps, wrong answers", arrivals, at_half=_swap_in_pruned_model,
+                    versions=(MODEL, _pruned_name()))
 
 
 # ---- what happens halfway --------------------------------------------------------------------------------
@@ -162,6 +187,28 @@ def _slow_down_detokenizer(engine: LLMEngine) -> None:
     engine.tokenizer = SlowTokenizer(engine.tokenizer, DETOKENIZER_DELAY_S)  # requests added from now on
 
 
+def pruned(model: LlamaModel, keep: int) -> LlamaModel:
+    """A new model made of `model`'s embeddings, first `keep` decoder layers, final norm and head (the same
+    weights for what it keeps; `model` is untouched). Layer i keeps its index, so it reads and writes the
+    same KV-cache layer as before: a request in flight goes on with the cache it has."""
+    small = LlamaModel(dataclasses.replace(model.config, num_hidden_layers=keep))
+    small.load_state_dict({name: w for name, w in model.state_dict().items()
+                           if not name.startswith("layers.") or int(name.split(".")[1]) < keep})
+    return small.to(next(model.parameters()).dtype).eval()
+
+
+def _pruned_name() -> str:
+    return f"{MODEL}-{PRUNED_LAYERS_KEPT}-layers"
+
+
+def _swap_in_pruned_model(engine: LLMEngine) -> None:
+    """The deploy: the engine and its runner (engine/runner.py, which runs the forward) get the pruned model;
+    the next step runs on it."""
+    engine.model = engine.runner.model = pruned(engine.model, PRUNED_LAYERS_KEPT)
+    engine.refresh_model_id()  # new weights: a new identity (it keys the prefix cache)
+    record_change(engine, "model", MODEL, _pruned_name())
+
+
 def _record_template(engine: LLMEngine) -> None:
     record_change(engine, "chat_template", "v1", "v2")
 
@@ -186,16 +233,40 @@ def run_scenario(scenario: Scenario, model, tokenizer) -> Trace:
     engine = LLMEngine(model, tokenizer, engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **scenario.options))
     engine.trace.config["scenario"] = scenario.name
     pending, step = sorted(scenario.arrivals, key=lambda a: a.step), 0
+    probes: list[tuple[Arrival, str]] = []  # (arrival with a known answer, its request id)
     while pending or engine.has_unfinished_requests():
         if step == _half_step() and scenario.at_half is not None and engine.trace.steps:
             scenario.at_half(engine)
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            engine.add_request(a.prompt, SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True),
-                               tenant=a.tenant, template_version=a.template_version)
+            rid = engine.add_request(a.prompt, SamplingParams(temperature=0, max_tokens=a.max_tokens,
+                                                              ignore_eos=True),
+                                     tenant=a.tenant, template_version=a.template_version)
+            if a.example is not None:
+                probes.append((a, rid))
         engine.step()  # with nobody there, an empty step: the trace's steps stay the arrival clock
         step += 1
+    if probes:
+        engine.trace.config["quality"] = quality_record(engine, probes, scenario.versions)
     return engine.trace
+
+
+def quality_record(engine: LLMEngine, probes: list[tuple[Arrival, str]], versions: tuple[str, str]) -> dict:
+    """The probes' answers scored by the half they arrived in: {version: rows of engine/lab/eval.py}
+    ({"task", "metric", "value", "n"}; the metrics of `tasks.score` that are single numbers)."""
+    record = {}
+    for version, early in zip(versions, (True, False), strict=True):
+        by_task: dict[str, tuple[list, list]] = {}
+        for a, rid in probes:
+            if (a.step < _half_step()) == early:
+                examples, answers = by_task.setdefault(a.example.task, ([], []))
+                examples.append(a.example)
+                answers.append(engine.get_request(rid).text)
+        record[version] = [{"task": task, "metric": metric, "value": value, "n": len(examples)}
+                           for task, (examples, answers) in by_task.items()
+                           for metric, value in tasks.score(task, examples, answers).items()
+                           if not isinstance(value, dict)]
+    return record
 
 
 def run_incident(name: str, seed: int = 0, model=None, tokenizer=None) -> Trace:
