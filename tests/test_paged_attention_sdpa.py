@@ -70,3 +70,14 @@ def test_engine_with_sdpa_equals_the_engine_with_the_reference(options):
     assert fast == ref
     if not options:
         assert list(fast.values()) == naive_outputs(model, workload)
+
+
+def test_sdpa_prefill_takes_the_causal_shortcut_only_for_positions_in_order():
+    """A whole prompt in order runs SDPA's is_causal path; the same positions shuffled must still be masked
+    per query (query i at position p sees keys <= p), exactly as the reference does."""
+    inputs, _, _ = make_paged_cache([13], 4, num_heads=4, num_kv_heads=2, head_dim=8)
+    q = torch.randn(13, 4, 8, generator=torch.Generator().manual_seed(3))
+    shuffled = torch.randperm(13, generator=torch.Generator().manual_seed(4))
+    for positions in (torch.arange(13), shuffled):
+        args = (q, inputs["k_pool"], inputs["v_pool"], inputs["block_tables"][0], positions, inputs["scale"])
+        assert_close(paged_prefill_attention(*args, backend="sdpa"), paged_prefill_attention_ref(*args))

@@ -130,6 +130,27 @@ def test_a_rank_that_dies_turns_into_an_error_not_a_hang():
         engine.shutdown()
 
 
+def test_a_rank_that_hangs_times_out_instead_of_blocking_forever():
+    """A stopped (not dead) rank: the collective gives up after collective_timeout_s and the step fails."""
+    timeout_s = 2.0
+    llm = LLM("tinylab", tensor_parallel_size=2, collective_timeout_s=timeout_s)
+    engine = llm.engine
+    worker = engine.runner.processes[0]
+    try:
+        engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="parallel step failed"):
+            engine.step()
+        assert timeout_s * 0.5 <= time.monotonic() - t0 < DEATH_DEADLINE_S
+        with pytest.raises(RuntimeError, match="lost a rank"):
+            engine.step()
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        engine.shutdown()
+
+
 # ---- pure pieces: no processes ---------------------------------------------------------------------
 def test_stage_layers_cover_every_layer_once_in_order():
     for layers, stages in [(6, 2), (6, 4), (30, 4), (7, 7), (5, 1)]:

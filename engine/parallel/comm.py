@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+STARTUP_TIMEOUT_S = 120.0  # how long ranks may take to start and meet (spawning a Python with torch takes seconds)
 TAG = 0  # gloo matches point-to-point messages by (peer, tag); our messages arrive in order on one tag
 
 
@@ -141,12 +142,17 @@ def free_port() -> int:
 def connect(rank: int, world_size: int, port: int, timeout_s: float, host: str = "127.0.0.1") -> Comm:
     """Join a gloo group of `world_size` ranks that meet at host:port (rank 0 hosts the meeting point).
 
-    `timeout_s` bounds the meeting and every later collective: a rank that died makes the others fail
-    with an error within that time (usually at once: the peer's socket closes), never hang."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-    return Comm(dist.ProcessGroupGloo(dist.PrefixStore("servelab", store), rank, world_size, timeout),
-                rank, world_size)
+    `timeout_s` bounds every collective: a rank that died makes the others fail with an error within that
+    time (usually at once: the peer's socket closes), never hang. The meeting itself may take up to
+    STARTUP_TIMEOUT_S (or `timeout_s` if longer)."""
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=_startup_timeout(timeout_s))
+    return Comm(dist.ProcessGroupGloo(dist.PrefixStore("servelab", store), rank, world_size,
+                                      datetime.timedelta(seconds=timeout_s)), rank, world_size)
+
+
+def _startup_timeout(timeout_s: float) -> datetime.timedelta:
+    """Meeting takes longer than any later collective should: never less than STARTUP_TIMEOUT_S."""
+    return datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
 
 
 def connect_from_env(timeout_s: float) -> Comm:
@@ -155,11 +161,11 @@ def connect_from_env(timeout_s: float) -> Comm:
     Under torchrun the launcher's agent usually hosts the store (TORCHELASTIC_USE_AGENT_STORE=True);
     then every rank, rank 0 included, connects to it as a client."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=timeout_s)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          rank == 0 and not agent_hosts, timeout=timeout)
-    return Comm(dist.ProcessGroupGloo(dist.PrefixStore("servelab", store), rank, world, timeout), rank, world)
+                          rank == 0 and not agent_hosts, timeout=_startup_timeout(timeout_s))
+    return Comm(dist.ProcessGroupGloo(dist.PrefixStore("servelab", store), rank, world,
+                                      datetime.timedelta(seconds=timeout_s)), rank, world)
 
 
 def launched_by_torchrun() -> bool:

@@ -139,8 +139,8 @@ class ParallelExecutor:
             comm = connect(0, world, port, par.collective_timeout_s)
         except Exception as exc:
             _stop_ranks(None, processes)
-            raise RuntimeError(f"the {world - 1} worker rank(s) did not join within collective_timeout_s="
-                               f"{par.collective_timeout_s}: {exc}") from exc
+            raise RuntimeError(f"the {world - 1} worker rank(s) did not join in time (see their errors above, "
+                               f"if any): {exc}") from exc
         return cls(RankRunner(model, config, pool, comm, sliding_window), processes, config)
 
     @classmethod
@@ -208,8 +208,11 @@ def _stop_ranks(comm: Comm | None, processes: list) -> None:
             pass
     for p in processes:
         p.join(JOIN_TIMEOUT_S)
-        if p.is_alive():
+        if p.is_alive():  # stuck: ask, then insist (SIGKILL also ends a stopped process)
             p.terminate()
+            p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
             p.join(JOIN_TIMEOUT_S)
 
 

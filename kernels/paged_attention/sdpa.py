@@ -54,6 +54,15 @@ def _attend(q, k, v, mask, scale):
     return out.transpose(1, 2)
 
 
+def _attend_causal(q, k, v, scale):
+    """q [B, T, H, D], k/v [B, T, Hkv, D], query i sees keys 0..i: SDPA's is_causal needs no mask at all, so
+    torch runs its flash kernel (tiles with an online softmax, never the [T, T] score matrix)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
+                                         v.to(q.dtype).transpose(1, 2), is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 def paged_decode_attention_sdpa(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
                                 sliding_window: int | None = None, scales=None):
     """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]."""
@@ -81,6 +90,10 @@ def paged_prefill_attention_sdpa(q, k_pool, v_pool, block_table, q_positions, sc
     first_col, last_col = first // BS, -(-context_len // BS)
     k = _gather(k_pool, scales[0] if scales else None, block_table[None], first_col, last_col)  # [1, L, Hkv, D]
     v = _gather(v_pool, scales[1] if scales else None, block_table[None], first_col, last_col)
+    whole_prompt = q.shape[0] == context_len and bool((q_positions == torch.arange(
+        context_len, device=q.device)).all())  # query i at position i, for every i
+    if sliding_window is None and whole_prompt:  # plain causal attention
+        return _attend_causal(q[None], k[:, :context_len], v[:, :context_len], scale)[0]
     key_pos = first_col * BS + torch.arange(k.shape[1], device=q.device)  # [L]
     qp = q_positions.long()[:, None]
     mask = (key_pos[None, :] <= qp) & (key_pos[None, :] < context_len)  # [Tq, L]
