@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import exercises
-from engine import admission, block_manager, diagnose, memory, sampling
+from engine import admission, block_manager, diagnose, memory, placement, sampling
 from exercises.__main__ import main
 from exercises.solutions import ch01_sampling as ch01_solutions
 
@@ -114,6 +114,12 @@ def test_the_engine_block_allocator_passes_the_chapter_04_allocator_checks():
     engine = types.SimpleNamespace(BlockAllocator=block_manager.BlockAllocator)
     results = _passes_named("ch04", engine, ("allocat",))
     assert [r for r in results if not r.passed] == [] and len(results) >= 5
+
+
+def test_the_engine_allreduce_bytes_per_token_passes_its_ch08_checks():
+    engine = types.SimpleNamespace(allreduce_bytes_per_token=placement.allreduce_bytes_per_token)
+    results = _passes_named("ch08", engine, ("allreduce_bytes",))
+    assert [r for r in results if not r.passed] == [] and len(results) >= 3
 
 
 def test_the_engine_token_bucket_and_arrival_halves_pass_their_ch10_checks():
