@@ -82,3 +82,110 @@ def test_token_agreement_counts_per_prompt_and_skips_a_missing_llama_cpp():
     assert got["servelab gguf torch vs llama.cpp"] == ["1/3", "3/3"]
     assert got["servelab gguf packed vs torch"] == ["2/3", "3/3"]
     assert list(token_agreement(ours, [])) == ["servelab gguf packed vs torch"]
+
+
+# ---- benchmarks/vs_vllm.py: prompts, speeds, greedy equality, the table and its targets -------------------
+from benchmarks._vs_vllm_workers import measure  # noqa: E402
+from benchmarks.vs_vllm import (  # noqa: E402
+    FULL,
+    compare_tokens,
+    engine_env,
+    greedy_equality,
+    make_prompts,
+    speeds,
+    table_rows,
+    target_verdicts,
+)
+
+SIZES = {"new_tokens": 64, "prompts": 64, "prefill_tokens": 1024}
+
+
+def test_prompts_have_the_issue_s_shapes_and_the_same_seed_gives_the_same_ids():
+    p = make_prompts(FULL, vocab=100)
+    assert len(p["offline_prompts"]) == 64 and all(32 <= len(x) <= 256 for x in p["offline_prompts"])
+    assert len(p["prefill_prompt"]) == 1024 and len(p["decode_prompt"]) == FULL["decode_prompt_tokens"]
+    every_id = [t for x in p["offline_prompts"] + [p["prefill_prompt"], p["decode_prompt"]] for t in x]
+    assert min(every_id) >= 3 and max(every_id) < 100  # never a special token, never past the vocabulary
+    assert make_prompts(FULL, vocab=100) == p and make_prompts(FULL, vocab=100, seed=1) != p
+
+
+def test_decode_speed_subtracts_the_one_token_run_so_prefill_and_call_costs_drop_out():
+    result = {"decode_s_1_token": 0.5, "decode_s_all_tokens": 2.5, "prefill_s": 2.0, "offline_s": 16.0}
+    got = speeds(result, SIZES)
+    assert got == {"decode_tok_s": 32.0, "offline_tok_s": 256.0, "prefill_tok_s": 512.0}  # 64/2, 4096/16, 1024/2
+    assert speeds(dict(result, offline_s=None), SIZES)["offline_tok_s"] is None  # llama.cpp: no offline run
+    assert speeds({"failed": "exit 1"}, SIZES) == dict.fromkeys(["decode_tok_s", "offline_tok_s", "prefill_tok_s"])
+
+
+def test_compare_tokens_finds_where_each_sequence_first_differs():
+    got = compare_tokens([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 9]])
+    assert got["identical"] == 1 and got["of"] == 3
+    assert got["first_differences"] == [{"prompt": 1, "position": 1, "ours": 5, "theirs": 9},
+                                        {"prompt": 2, "position": 2, "ours": None, "theirs": 9}]
+
+
+def test_greedy_equality_compares_every_engine_with_servelab_on_the_parts_both_ran():
+    ours = {"decode": [[1, 2]], "prefill": [[5]], "offline": [[1], [2]]}
+    results = {"servelab": {"tokens": ours},
+               "vllm": {"tokens": {"decode": [[1, 2]], "prefill": [[5]], "offline": [[1], [3]]}},
+               "llamacpp": {"tokens": {"decode": [[1, 7]], "prefill": [[5]]}}}  # no offline part
+    eq = greedy_equality(results)
+    assert set(eq) == {"vllm", "llamacpp"}
+    assert eq["vllm"]["offline"]["identical"] == 1 and eq["vllm"]["decode"]["identical"] == 1
+    assert set(eq["llamacpp"]) == {"decode", "prefill"} and eq["llamacpp"]["decode"]["identical"] == 0
+    assert greedy_equality({"vllm": results["vllm"]}) == {}  # servelab failed: nothing to compare with
+
+
+def engine_speeds():
+    return {"servelab": {"decode_tok_s": 30.0, "offline_tok_s": 240.0, "prefill_tok_s": 1000.0},
+            "vllm": {"decode_tok_s": 25.0, "offline_tok_s": 200.0, "prefill_tok_s": 1000.0},
+            "llamacpp": {"decode_tok_s": 60.0, "offline_tok_s": None, "prefill_tok_s": 400.0}}
+
+
+def test_targets_are_met_at_exactly_the_needed_ratio_and_missed_below_it():
+    verdicts = {v["target"]: v for v in target_verdicts(engine_speeds(), skipped={})}
+    assert verdicts["offline >= 1.2x vLLM"]["verdict"] == "met"  # 240 / 200 = 1.2 exactly
+    assert verdicts["prefill >= 1.2x vLLM"]["verdict"] == "missed"  # 1.0x
+    decode = verdicts["batch-1 decode >= llama.cpp"]
+    assert decode["verdict"] == "missed" and decode["ratio"] == 0.5 and decode["anchor"] == 60.0
+
+
+def test_a_skipped_anchor_makes_its_targets_not_measured_and_says_which():
+    s = engine_speeds()
+    del s["vllm"]
+    verdicts = {v["target"]: v["verdict"] for v in target_verdicts(s, skipped={"vllm": "not installed"})}
+    assert verdicts["offline >= 1.2x vLLM"].startswith("not measured") and "vLLM" in verdicts["offline >= 1.2x vLLM"]
+    assert verdicts["batch-1 decode >= llama.cpp"] == "missed"  # llama.cpp still ran
+
+
+def test_table_rows_give_ratios_to_vllm_and_decode_to_llama_cpp():
+    eq = {"vllm": {"offline": compare_tokens([[1], [2]], [[1], [3]])}}
+    rows = {r["engine"].split()[0]: r for r in table_rows(engine_speeds(), eq, threads=2)}
+    assert rows["servelab"]["offline_x_vs_vllm"] == 1.2 and rows["servelab"]["decode_x_vs_llamacpp"] == 0.5
+    assert rows["llama.cpp"]["offline_x_vs_vllm"] is None  # no offline number: no ratio, not zero
+    assert rows["vLLM"]["greedy_vs_servelab"] == "offline 1/2 (prompt 1 from token 0)"
+    assert rows["servelab"]["greedy_vs_servelab"] == "reference" and rows["llama.cpp"]["greedy_vs_servelab"] == "-"
+
+
+def test_vllm_is_bound_to_as_many_cores_as_threads_and_reserves_none():
+    env = engine_env("vllm", 2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert engine_env("vllm", 1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    ours = engine_env("servelab", 2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in ours and ours["OMP_NUM_THREADS"] == "2"
+
+
+def test_measure_runs_the_same_calls_on_every_engine_and_returns_their_tokens():
+    calls = []
+
+    def generate(prompts, n):  # a fake engine: new token i of prompt p is p[0] + i
+        calls.append((len(prompts), len(prompts[0]), n))
+        return [[p[0] + i for i in range(n)] for p in prompts]
+    job = {"new_tokens": 4, "repeats": 2, "offline_repeats": 1, "offline": True, "decode_prompt": [10] * 20,
+           "prefill_prompt": [20] * 50, "offline_prompts": [[1] * 5, [2] * 6, [3] * 7, [4] * 8, [5] * 9]}
+    out = measure(generate, job)
+    assert (1, 20, 1) in calls and (1, 20, 5) in calls  # the 1-token and the (1 + n)-token decode runs
+    assert calls.count((1, 50, 1)) == 2 and calls[-1] == (5, 5, 4)  # prefill per repeat; all prompts at once
+    assert out["tokens"]["decode"] == [[10, 11, 12, 13, 14]] and out["tokens"]["prefill"] == [[20]]
+    assert out["tokens"]["offline"][4] == [5, 6, 7, 8]
+    assert "offline_s" not in measure(generate, dict(job, offline=False))
