@@ -106,8 +106,8 @@ class LLM:
         A bad prompt raises (naming prompts[i]) before anything runs, and the call changes nothing. A
         step that fails does not end the call: we warn once per failed step, its requests come back
         with finish_reason "error" (and `error`), all the others with their normal outputs."""
-        prompts = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(prompts))
+        prompts = as_prompt_list(prompts)
+        params_list = as_params_list(params, len(prompts))
         engine, ids = self.engine, []
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
@@ -165,7 +165,7 @@ def _step_or_warn(engine: LLMEngine) -> StepReport:
         return report
 
 
-def _as_prompt_list(prompts) -> list:
+def as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
@@ -174,7 +174,7 @@ def _as_prompt_list(prompts) -> list:
     return prompts
 
 
-def _as_params_list(params, n: int) -> list[SamplingParams]:
+def as_params_list(params, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
     params = list(params)

@@ -43,7 +43,7 @@ from multiprocessing import connection, parent_process
 import torch
 import torch.multiprocessing as mp
 
-from engine.llm import RequestOutput, _as_params_list, _as_prompt_list
+from engine.llm import RequestOutput, as_params_list, as_prompt_list
 from engine.llm_engine import LLMEngine, engine_config
 from engine.parallel.router import Router, make_router
 from engine.request import validate_token_ids
@@ -387,8 +387,8 @@ class ReplicaPool:
         raises before anything is submitted; a request a replica refuses, a dead replica, or `timeout_s`
         raise after aborting this call's other requests."""
         self._check_open()
-        prompts = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(prompts))
+        prompts = as_prompt_list(prompts)
+        params_list = as_params_list(params, len(prompts))
         arrivals = _check_arrivals(arrival_times_s, len(prompts))
         routing_ids = [self._routing_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         ids = [str(self._next_id + i) for i in range(len(prompts))]
