@@ -39,6 +39,7 @@ the line "weight_read"; step bars "compute:<kind>:<config>" and "comm:<kind>:<co
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
@@ -49,6 +50,8 @@ from engine.config import ModelConfig
 from engine.parallel.tensor_parallel import check_tensor_parallel
 from engine.viz._figure import fail as _fail
 from engine.viz._figure import new_figure as _new_figure
+
+CHARS_PER_INCH = 9  # a 12-point title fits about this many characters per inch of figure: wrap beyond it
 
 GB = 1e9  # placement counts memory in decimal GB, as datasheets do
 MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds
@@ -108,11 +111,16 @@ def render_layout_memory(layouts: Sequence, title: str = "") -> Figure:
     ax.set_xticks(range(len(layouts)), [_layout_label(x) for x in layouts], fontsize=8)
     first = layouts[0]
     ax.set(ylabel="GB per GPU", ylim=(0, max(top, 1.0) * 1.15), xlim=(-0.6, len(layouts) - 0.4),
-           title=title or f"{first.model} on {first.num_devices} x {first.device}: memory per GPU "
-                          f"(sequences of {first.context_tokens:,} tokens above each bar)")
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=len(handles),
-              frameon=False)
+           title=_wrap(title or f"{first.model} on {first.num_devices} x {first.device}: memory per GPU "
+                       f"(above each bar: how many sequences of {first.context_tokens:,} tokens fit)", fig))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8,
+              ncol=min(len(handles), max(2, int(fig.get_figwidth() // 2))), frameon=False)
     return fig
+
+
+def _wrap(title: str, fig: Figure) -> str:
+    """The title broken into lines that fit the figure's width."""
+    return textwrap.fill(title, int(fig.get_figwidth() * CHARS_PER_INCH))
 
 
 # ---- tensor parallel: one layer -------------------------------------------------------------------------------
@@ -212,7 +220,7 @@ def render_tensor_parallel_layer(config: ModelConfig, tp: int) -> Figure:
         ax.text(c, ys[-1] - BOX_H / 2 - 0.12, caption, ha="center", va="top", fontsize=7.5)
     for r, y in enumerate(ys):
         ax.text(-0.62, y, f"rank {r}", ha="right", va="center", fontsize=9, color=RANK_COLORS[r], weight="bold")
-    ax.set(xlim=(-1.25, len(columns) - 0.45), ylim=(ys[-1] - BOX_H / 2 - 0.95, ys[0] + BOX_H / 2 + 0.15))
+    ax.set(xlim=(-1.25, len(columns) - 0.45), ylim=(ys[-1] - BOX_H / 2 - 0.6, ys[0] + BOX_H / 2 + 0.15))
     ax.axis("off")
     name = config.name or "the model"
     ax.set_title(f"Tensor parallel, TP = {tp}: one layer of {name} (E = {config.hidden_size}, "
@@ -342,7 +350,8 @@ def render_comm_per_token(comm_s_per_token: Mapping[str, float], weight_read_s_p
                label=f"reading the weights once: {read_us:,.0f} µs per token")
     values = [s * US for s in comm_s_per_token.values()] + [read_us]
     ax.set(xscale="log", xlim=(min(values) / 3, max(values) * 40), ylim=(-0.6, len(names) - 0.4),
-           xlabel="µs per token (log scale)", title=title or "Tensor-parallel traffic per token, by interconnect")
+           xlabel="µs per token (log scale)",
+           title=_wrap(title or "Tensor-parallel traffic per token, by interconnect", fig))
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
