@@ -269,13 +269,20 @@ class CacheConfig:
                  "both size the KV cache: give only one of them")
 
 
+# The paged-attention backend the engine uses unless told otherwise. "torch" is the readable reference and the
+# oracle of every kernel test; "sdpa" computes the same thing (equal up to float rounding) through torch's
+# fused attention, a whole step's decodes in one call: on a CPU it was 1.2-1.3x the reference's offline
+# tokens/s and 2-3x its prefill tokens/s (SmolLM2-135M; benchmarks/attention_backends.py, vs_vllm.py).
+DEFAULT_ATTENTION_BACKEND = "sdpa"
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs beyond the weights."""
 
     model: str = "tinylab"
     dtype: str = "float32"
-    attention_backend: str = "torch"
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
     num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from engine.config import DEFAULT_ATTENTION_BACKEND
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import LlamaModel
 from engine.request import Request
@@ -86,7 +87,7 @@ class LLM:
     `**options` go to `engine_config` (scheduler and cache fields, e.g. max_num_seqs=8, policy="static")."""
 
     def __init__(self, model: str | LlamaModel = "tinylab", tokenizer: Tokenizer | None = None,
-                 dtype: str = "float32", attention_backend: str = "torch", **options):
+                 dtype: str = "float32", attention_backend: str = DEFAULT_ATTENTION_BACKEND, **options):
         if isinstance(model, LlamaModel):
             config = engine_config("custom", dtype, attention_backend, **options)
             self.engine = LLMEngine(model, tokenizer, config)

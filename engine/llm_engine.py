@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from engine.config import DEFAULT_ATTENTION_BACKEND, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from engine.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
 from engine.prefix_cache import cache_key
@@ -60,7 +60,7 @@ from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepReport, TimeSplit, Trace
 
 
-def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = "torch",
+def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = DEFAULT_ATTENTION_BACKEND,
                   num_threads: int | None = None, **options) -> EngineConfig:
     """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
     (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
@@ -122,8 +122,8 @@ class LLMEngine:
         self._next_seq_id = 0  # the BlockManager's key of each sequence (one per sample)
 
     @classmethod
-    def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32", attention_backend: str = "torch",
-                        **options) -> LLMEngine:
+    def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32",
+                        attention_backend: str = DEFAULT_ATTENTION_BACKEND, **options) -> LLMEngine:
         """Load a local Hugging Face-format folder or a bundled model by name; options: `engine_config`."""
         from engine.loader import load_model
 

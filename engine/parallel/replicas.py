@@ -43,6 +43,7 @@ from multiprocessing import connection, parent_process
 import torch
 import torch.multiprocessing as mp
 
+from engine.config import DEFAULT_ATTENTION_BACKEND
 from engine.llm import RequestOutput, as_params_list, as_prompt_list
 from engine.llm_engine import LLMEngine, engine_config
 from engine.parallel.router import Router, make_router
@@ -354,8 +355,9 @@ class ReplicaPool:
     """
 
     def __init__(self, model: str = "tinylab", num_replicas: int = 2, router: str | Router = "least_outstanding",
-                 *, in_process: bool = False, dtype: str = "float32", attention_backend: str = "torch",
-                 num_threads: int = 1, startup_timeout_s: float = STARTUP_TIMEOUT_S, **engine_options):
+                 *, in_process: bool = False, dtype: str = "float32",
+                 attention_backend: str = DEFAULT_ATTENTION_BACKEND, num_threads: int = 1,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S, **engine_options):
         config = engine_config(model, dtype, attention_backend, num_threads, **engine_options)  # checks them all
         self.router = _as_router(router, num_replicas, config.cache.block_size)
         self.num_replicas, self.in_process = num_replicas, in_process

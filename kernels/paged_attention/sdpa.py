@@ -11,8 +11,8 @@ Here the whole batch goes at once:
     1. one gather: every sequence's table columns that anyone reads    k_pool[tables] -> [B, L, Hkv, D]
        (padded to the longest sequence; NULL_BLOCK entries of a sliding window point at block 0)
     2. one mask: key position p of sequence b is visible iff  first_b <= p < seq_len_b
-    3. one fused attention: F.scaled_dot_product_attention with that mask and enable_gqa=True
-       (no repeat_interleave: the kernel maps query head h to KV head h // (H / Hkv) itself)
+    3. one fused attention: F.scaled_dot_product_attention with that mask, the query heads that share a
+       KV head folded into the query axis (no repeat_interleave of K/V: see `_attend`)
 
 Same contract and the same checks as the reference (``check_paged_inputs``); int8 pools are dequantized
 during the gather. The results equal the reference up to float rounding (tests/test_paged_attention_sdpa.py).
@@ -42,16 +42,25 @@ def _gather(pool, scale, tables, first_col: int, last_col: int):
 def _attend(q, k, v, mask, scale):
     """q [B, Tq, H, D], k/v [B, L, Hkv, D], mask [B, Tq, L] bool -> [B, Tq, H, D] in q's dtype.
 
+    GQA without copying K/V: the g = H / Hkv query heads that share a KV head are folded into the query
+    axis, so SDPA sees Hkv heads of g * Tq queries each (a decode step's single query becomes g queries):
+
+        q [B, Tq, H, D] -> [B, Tq, Hkv, g, D] -> [B, Hkv, g * Tq, D]      k, v: [B, Hkv, L, D] as they are
+
     Slots no query may see (padding, past a sequence's end, before its window) hold whatever the pool
     held: stale values, or anything. A masked score is -inf and its weight 0, but 0 * NaN is NaN, so we
     zero those K/V rows first: what a sequence does not own can never leak into its output."""
-    unseen = ~mask.any(dim=1)[..., None, None]  # [B, L, 1, 1]: keys no query of the row may read
-    k.masked_fill_(unseen, 0)  # in place: k and v are _gather's own copies, never the pool
-    v.masked_fill_(unseen, 0)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
-                                         v.to(q.dtype).transpose(1, 2), attn_mask=mask[:, None],
-                                         scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
+    B, Tq, H, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    rows, cols = (~mask.any(dim=1)).nonzero(as_tuple=True)  # keys no query of the row may read
+    k[rows, cols] = 0  # in place: k and v are _gather's own copies, never the pool
+    v[rows, cols] = 0
+    qg = q.reshape(B, Tq, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Tq, D)
+    m = mask[:, None].expand(B, g, Tq, L).reshape(B, 1, g * Tq, L)  # each query's mask, once per folded head
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),
+                                         attn_mask=m, scale=scale)  # [B, Hkv, g * Tq, D]
+    return out.reshape(B, Hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
 
 
 def _attend_causal(q, k, v, scale):
