@@ -9,3 +9,13 @@ def raises(fn, error: type[Exception]) -> bool:
     except error:
         return True
     return False
+
+
+def raises_naming(field: str, call, what: str) -> None:
+    """``call()`` must raise a ValueError whose message names ``field`` (a clear error on bad input)."""
+    try:
+        call()
+    except ValueError as err:
+        assert field in str(err), f"{what}: the ValueError should name {field!r}, it says {err}"
+        return
+    raise AssertionError(f"{what}: expected a ValueError naming {field!r}, nothing was raised")

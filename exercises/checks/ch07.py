@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from exercises.checks import raises_naming
 from kernels.quant_matmul.reference import (
     dequantize,
     int4_scale_and_zero,
@@ -37,16 +38,6 @@ def _close(got, want, what: str, atol: float = ATOL) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     diff = (got.float() - want.float()).abs().max().item()
     assert diff <= atol, f"{what}: max |difference| from the expected values is {diff:.3g}"
-
-
-def _raises_naming(field: str, call, what: str) -> None:
-    """``call()`` must raise a ValueError whose message names ``field``."""
-    try:
-        call()
-    except ValueError as err:
-        assert field in str(err), f"{what}: the ValueError should name {field!r}, it says {err}"
-        return
-    raise AssertionError(f"{what}: expected a ValueError naming {field!r}, nothing was raised")
 
 
 # ---- the int4 grid ---------------------------------------------------------------------------------
@@ -112,7 +103,7 @@ def check_quantize_int4_round_trip_error_is_at_most_half_a_step(mod) -> None:
 
 
 def check_quantize_int4_rejects_a_group_size_that_does_not_divide_k(mod) -> None:
-    _raises_naming("group_size", lambda: mod.quantize_int4(_weight(4, 96), 64), "quantize_int4(K=96, group_size=64)")
+    raises_naming("group_size", lambda: mod.quantize_int4(_weight(4, 96), 64), "quantize_int4(K=96, group_size=64)")
 
 
 # ---- the dequantizing GEMV ------------------------------------------------------------------------------
@@ -177,7 +168,7 @@ def check_pick_granularity_skips_group_sizes_that_do_not_divide_k(mod) -> None:
 
 
 def check_pick_granularity_says_when_nothing_is_good_enough(mod) -> None:
-    _raises_naming("max_error", lambda: mod.pick_granularity(_weight(), 4, 1e-6),
+    raises_naming("max_error", lambda: mod.pick_granularity(_weight(), 4, 1e-6),
                    "pick_granularity(int4, max_error=1e-6)")
 
 

@@ -22,6 +22,7 @@ from engine.parallel.pipeline import StageTimeline
 from engine.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from engine.placement import Device, feasible_layouts, stage_memory_plans
 from engine.placement import allreduce_bytes_per_token as engine_allreduce_bytes_per_token
+from exercises.checks import raises_naming
 
 SEED = 8
 ATOL = 1e-5  # fp32: the row split adds the same products in another order
@@ -46,16 +47,6 @@ def _number(got, want: float, what: str) -> None:
     assert isinstance(got, int | float) and not isinstance(got, bool), \
         f"{what}: expected a number, got {type(got).__name__}"
     assert math.isclose(got, want, rel_tol=REL_TOL, abs_tol=REL_TOL), f"{what}: got {got!r}, expected {want!r}"
-
-
-def _raises_naming(field: str, call, what: str) -> None:
-    """``call()`` must raise a ValueError whose message names ``field``."""
-    try:
-        call()
-    except ValueError as err:
-        assert field in str(err), f"{what}: the ValueError should name {field!r}, it says {err}"
-        return
-    raise AssertionError(f"{what}: expected a ValueError naming {field!r}, nothing was raised")
 
 
 # ---- the shards ----------------------------------------------------------------------------------------
@@ -165,7 +156,7 @@ def check_row_parallel_linear_adds_the_bias_once(mod) -> None:
 
 def check_tensor_parallel_linear_refuses_an_unknown_kind(mod) -> None:
     weight, x = _random(4, 6), _random(2, 6)
-    _raises_naming("kind", lambda: mod.tensor_parallel_linear(x, weight, None, 2, "diagonal"),
+    raises_naming("kind", lambda: mod.tensor_parallel_linear(x, weight, None, 2, "diagonal"),
                    "tensor_parallel_linear(kind='diagonal')")
 
 
@@ -224,8 +215,8 @@ def check_pipeline_bubble_matches_the_engine_timeline(mod) -> None:
 
 
 def check_pipeline_bubble_refuses_zero_stages_or_micro_batches(mod) -> None:
-    _raises_naming("num_stages", lambda: mod.pipeline_bubble(0, 4), "pipeline_bubble(0, 4)")
-    _raises_naming("num_micro_batches", lambda: mod.pipeline_bubble(2, 0), "pipeline_bubble(2, 0)")
+    raises_naming("num_stages", lambda: mod.pipeline_bubble(0, 4), "pipeline_bubble(0, 4)")
+    raises_naming("num_micro_batches", lambda: mod.pipeline_bubble(2, 0), "pipeline_bubble(2, 0)")
 
 
 # ---- picking a layout --------------------------------------------------------------------------------------
@@ -295,7 +286,7 @@ def check_pick_layout_counts_a_device_filled_exactly_as_fitting(mod) -> None:
 
 
 def check_pick_layout_says_when_nothing_fits(mod) -> None:
-    _raises_naming("num_devices", lambda: mod.pick_layout(LLAMA3_70B, 24 * GB, 4, 8192, "bf16"),
+    raises_naming("num_devices", lambda: mod.pick_layout(LLAMA3_70B, 24 * GB, 4, 8192, "bf16"),
                    "pick_layout(Llama-3-70B, 24 GB, num_devices=4) (141 GB of weights on 4 x 24 GB)")
 
 
@@ -307,7 +298,7 @@ def check_pick_layout_matches_the_engine_placement(mod) -> None:
     for model, memory, n, context, dtype in cases:
         want = _engine_pick(model, memory, n, context, dtype)
         if want is None:
-            _raises_naming("num_devices", lambda a=(model, memory, n, context, dtype): mod.pick_layout(*a),
+            raises_naming("num_devices", lambda a=(model, memory, n, context, dtype): mod.pick_layout(*a),
                            f"pick_layout({model.name}, {memory:,} bytes, num_devices={n}, {context:,}, {dtype!r}) "
                            "(engine/placement.py finds no layout)")
         else:

@@ -14,6 +14,7 @@ import random
 from engine.metrics import SLO, RequestTiming
 from engine.metrics import goodput as engine_goodput
 from engine.metrics import nearest_rank as engine_nearest_rank
+from exercises.checks import raises_naming
 
 SEED = 9
 ATOL = 1e-9  # sums and differences of a few float seconds
@@ -40,15 +41,6 @@ def _random_token_times(rng: random.Random) -> list[float]:
         times.append(now)
         now += rng.expovariate(50.0) + (0.5 if rng.random() < 0.05 else 0.0)
     return times
-
-
-def _raises_naming(field: str, call, what: str) -> None:
-    try:
-        call()
-    except ValueError as err:
-        assert field in str(err), f"{what}: the ValueError should name {field!r}, it says {err}"
-        return
-    raise AssertionError(f"{what}: expected a ValueError naming {field!r}, nothing was raised")
 
 
 # ---- inter-token latencies and TPOT ---------------------------------------------------------------------
@@ -133,7 +125,7 @@ def check_nearest_rank_matches_the_engine(mod) -> None:
 
 def check_nearest_rank_refuses_q_outside_0_to_100(mod) -> None:
     for q in (0, -5, 100.5):
-        _raises_naming("q", lambda q=q: mod.nearest_rank([1.0, 2.0], q), f"nearest_rank([1, 2], {q})")
+        raises_naming("q", lambda q=q: mod.nearest_rank([1.0, 2.0], q), f"nearest_rank([1, 2], {q})")
     got = mod.nearest_rank([], 50)
     assert isinstance(got, float) and math.isnan(got), f"nearest_rank([], 50) = {got!r}, expected nan"
 
@@ -154,7 +146,7 @@ def check_goodput_counts_only_requests_within_both_limits(mod) -> None:
 def check_goodput_is_per_second_of_the_run(mod) -> None:
     table = [_row(100, 20)] * 6 + [_row(500, 20)] * 2
     _close(mod.goodput(table, 200, 50, 4.0), 6 / 4.0, "goodput: 6 of 8 requests met the SLO in a 4 s run")
-    _raises_naming("duration_s", lambda: mod.goodput(table, 200, 50, 0.0), "goodput(..., duration_s=0)")
+    raises_naming("duration_s", lambda: mod.goodput(table, 200, 50, 0.0), "goodput(..., duration_s=0)")
 
 
 def check_goodput_judges_a_one_token_answer_by_its_ttft(mod) -> None:

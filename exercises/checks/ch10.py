@@ -17,6 +17,7 @@ from engine.admission import TokenBucket as EngineTokenBucket
 from engine.diagnose import RequestSplit
 from engine.diagnose import arrival_halves as engine_arrival_halves
 from engine.server import OpenAIError
+from exercises.checks import raises_naming
 
 SEED = 10
 ATOL = 1e-9  # sums and products of a few float seconds
@@ -31,15 +32,6 @@ def _close(got, want, what: str) -> None:
         assert got == want, f"{what}: got {got!r}, expected {want!r}"
         return
     assert abs(got - want) <= ATOL, f"{what}: got {got!r}, expected {want!r}"
-
-
-def _raises_naming(field: str, call, what: str) -> None:
-    try:
-        call()
-    except ValueError as err:
-        assert field in str(err), f"{what}: the ValueError should name {field!r}, it says {err}"
-        return
-    raise AssertionError(f"{what}: expected a ValueError naming {field!r}, nothing was raised")
 
 
 # ---- the token bucket ------------------------------------------------------------------------------------
@@ -94,7 +86,7 @@ def check_token_bucket_ignores_a_reading_earlier_than_the_last(mod) -> None:
 def check_token_bucket_refuses_a_rate_or_burst_that_is_not_positive(mod) -> None:
     for rate, burst, field in ((0.0, 5.0, "rate_per_s"), (-1.0, 5.0, "rate_per_s"), (math.nan, 5.0, "rate_per_s"),
                                (2.0, 0.0, "burst"), (2.0, -3.0, "burst")):
-        _raises_naming(field, lambda r=rate, b=burst: mod.TokenBucket(r, b), f"TokenBucket({rate}, {burst})")
+        raises_naming(field, lambda r=rate, b=burst: mod.TokenBucket(r, b), f"TokenBucket({rate}, {burst})")
 
 
 def check_token_bucket_matches_the_engine_on_random_operations(mod) -> None:
@@ -226,7 +218,7 @@ def check_queued_tokens_cap_is_an_int_the_engine_accepts(mod) -> None:
 def check_queued_tokens_cap_refuses_a_target_or_throughput_that_is_not_positive(mod) -> None:
     for target_s, tokens_per_s, field in ((0.0, 1000.0, "ttft_target_s"), (-1.0, 1000.0, "ttft_target_s"),
                                           (1.0, 0.0, "prefill_tokens_per_s"), (1.0, math.inf, "prefill_tokens_per_s")):
-        _raises_naming(field, lambda t=target_s, p=tokens_per_s: mod.max_num_queued_tokens_for(t, p),
+        raises_naming(field, lambda t=target_s, p=tokens_per_s: mod.max_num_queued_tokens_for(t, p),
                        f"max_num_queued_tokens_for({target_s}, {tokens_per_s})")
 
 
