@@ -10,7 +10,7 @@ WORKERS ?= 2
 # notebooks included, also has pytest-timeout's limit (pyproject.toml), which prints every thread's stack.
 CELL_TIMEOUT_S ?= 150
 
-.PHONY: demo test lab bench lint clean
+.PHONY: demo test lab bench bench-vllm lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ lab: $(RUNTIME)
 
 bench: $(DEV)
 	for b in benchmarks/[!_]*.py; do $(PY) $$b || exit 1; done
+
+# vLLM's CPU build in its own environment (.peers/vllm, ~3.4 GB), then servelab vs vLLM, transformers and
+# llama.cpp on the same weights and token ids (benchmarks/vs_vllm.py).
+bench-vllm: $(DEV)
+	bash benchmarks/setup_vllm.sh
+	$(PY) benchmarks/vs_vllm.py
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check engine kernels exercises tests benchmarks
