@@ -120,7 +120,8 @@ class ParallelExecutor:
     @classmethod
     def start(cls, model: LlamaModel, config: EngineConfig, pool: PoolShape, sliding_window: int | None,
               num_threads: int) -> ParallelExecutor:
-        """Spawn ranks 1..W-1 (or, under torchrun, join the ranks it started) and build rank 0's share."""
+        """Spawn ranks 1..W-1 as processes, join them in a gloo group and build rank 0's share (under torchrun,
+        `join_torchrun` takes this one's place)."""
         par, world = config.parallel, config.parallel.world_size
         if par.tensor_parallel_size > 1:
             check_tensor_parallel(model.config, par.tensor_parallel_size)
