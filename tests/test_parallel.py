@@ -62,6 +62,29 @@ def test_tensor_parallel_survives_preemption_by_swap_and_chunked_prefill(tinylab
         split.engine.shutdown()
 
 
+SHARED = "The key k7 has value 318. The key k2 has value 771. The key k9 has value 120. "
+MIXED_PROMPTS = [SHARED + "What is k7?", SHARED + "What is k2?", "Once upon a time"]
+MIXED_PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2 + [
+    SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=10, ignore_eos=True)]  # forks: copy-on-write moves
+
+
+@pytest.mark.parametrize("split, cache", [
+    ({"tensor_parallel_size": 2}, {"enable_prefix_caching": True, "kv_offload_blocks": 8, "num_blocks": 40}),
+    ({"pipeline_parallel_size": 2}, {"kv_cache_dtype": "int8", "sliding_window": 16}),
+], ids=["tp2-prefix-offload-n2", "pp2-int8-window"])
+def test_split_engine_keeps_every_cache_feature(split, cache):
+    """Prefix hits, the host tier, forked samples (seeded), int8 K/V and a sliding window: all per rank."""
+    def outputs(llm):
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(MIXED_PROMPTS, MIXED_PARAMS, use_tqdm=False)]
+
+    reference = outputs(LLM("tinylab", block_size=4, **cache))
+    llm = LLM("tinylab", block_size=4, **cache, **split)
+    try:
+        assert outputs(llm) == reference
+    finally:
+        llm.engine.shutdown()
+
+
 def test_all_reduce_bytes_per_step_match_the_formula():
     """Two all-reduces of [N, E] per layer plus one for the embedding; the LM head all-gathers [S, V/W]."""
     model, tok = load_model("tinylab")
