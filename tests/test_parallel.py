@@ -13,9 +13,11 @@ import time
 import pytest
 import torch
 
+from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
 from engine.loader import load_model
+from engine.model import LlamaModel
 from engine.parallel.comm import ring_allreduce_link_bytes
 from engine.parallel.pipeline import StageTimeline, split_into_micro_batches, stage_layers
 from engine.sampling import SamplingParams
@@ -81,6 +83,27 @@ def test_split_engine_keeps_every_cache_feature(split, cache):
     llm = LLM("tinylab", block_size=4, **cache, **split)
     try:
         assert outputs(llm) == reference
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tensor_parallel_pads_an_odd_vocabulary_and_splits_an_untied_head_and_biases():
+    """V = 101 does not divide by 2 (the last rank's rows are padding), the LM head is its own matrix, and
+    every projection carries a bias (added once after a row-parallel all-reduce): greedy tokens still equal the whole model's."""
+    cfg = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, qkv_bias=True, o_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    prompts = [[5, 17, 99, 3], [100, 2, 64], [7] * 9]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = tokens(LLM(model), prompts, params)
+    llm = LLM(model, tensor_parallel_size=2)
+    try:
+        assert tokens(llm, prompts, params) == reference
     finally:
         llm.engine.shutdown()
 
@@ -200,4 +223,3 @@ def test_ring_allreduce_moves_two_w_minus_one_over_w_of_the_tensor():
     assert ring_allreduce_link_bytes(1000, 2) == 1000
     assert ring_allreduce_link_bytes(1000, 4) == 1500
     assert ring_allreduce_link_bytes(1000, 1) == 0
-    assert torch.tensor(0).numel() == 1  # (torch imported for the fixtures' models)

@@ -22,7 +22,6 @@ an error naming it, and the engine refuses further steps instead of hanging.
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 import weakref
@@ -39,6 +38,7 @@ from engine.parallel.comm import Comm, CommStats, connect, connect_from_env, fre
 from engine.parallel.pipeline import StageTimeline, make_stage, run_stage, split_into_micro_batches, stage_layers
 from engine.parallel.tensor_parallel import check_tensor_parallel, shard_model
 from engine.runner import PagedAttention, build_batch, run_model
+from engine.threads import available_cores
 
 JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to exit before it is terminated
 
@@ -219,5 +219,4 @@ def _stop_ranks(comm: Comm | None, processes: list) -> None:
 
 def default_worker_threads(num_threads: int, world: int) -> int:
     """Threads per rank: the engine's setting, but never more than the cores shared out among the ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(num_threads, cores // world))
+    return max(1, min(num_threads, available_cores() // world))

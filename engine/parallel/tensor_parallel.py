@@ -92,18 +92,25 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def vocab_rows(full: Tensor, rank: int, world: int) -> Tensor:
+    """Rank `rank`'s rows [r Vp, (r+1) Vp) of a [V, E] table, Vp = ceil(V / W); the last rank's rows past V
+    are zero padding, so every rank's share has the same shape (the all-gather needs it)."""
+    V, E = full.shape
+    per_rank = math.ceil(V / world)  # Vp
+    rows = full[rank * per_rank:(rank + 1) * per_rank]
+    padded = torch.zeros(per_rank, E, dtype=full.dtype, device=full.device)
+    padded[:rows.shape[0]] = rows
+    return padded  # [Vp, E]
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, lo + Vp) of the embedding table on this rank; other ranks' tokens read as zeros; all-reduce."""
 
     def __init__(self, full: Tensor, rank: int, world: int, comm: Comm):
         super().__init__()
-        V, E = full.shape
-        self.per_rank = math.ceil(V / world)  # Vp
+        self.weight = nn.Parameter(vocab_rows(full, rank, world), requires_grad=False)  # [Vp, E]
+        self.per_rank = self.weight.shape[0]  # Vp
         self.lo = rank * self.per_rank
-        rows = full[self.lo:self.lo + self.per_rank]
-        padded = torch.zeros(self.per_rank, E, dtype=full.dtype, device=full.device)
-        padded[:rows.shape[0]] = rows  # the last rank's rows past V stay zero
-        self.weight = nn.Parameter(padded, requires_grad=False)  # [Vp, E]
         self.comm = comm
 
     def forward(self, ids: Tensor) -> Tensor:  # ids [B, T] -> [B, T, E]
@@ -149,7 +156,7 @@ def shard_model(model: LlamaModel, comm: Comm) -> LlamaModel:
     if cfg.tie_word_embeddings:
         head_weight = shard.embed_tokens.weight  # tied: the same [Vp, E] rows
     else:
-        head_weight = VocabParallelEmbedding(model.lm_head.weight.detach(), rank, world, comm).weight
+        head_weight = nn.Parameter(vocab_rows(model.lm_head.weight.detach(), rank, world), requires_grad=False)
     shard.lm_head = VocabParallelLMHead(head_weight, cfg.vocab_size, comm)
     return shard.eval()
 
