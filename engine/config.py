@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from engine.threads import check_num_threads
 
+WEIGHT_LAYOUTS = ("auto", "linear", "packed")  # engine/packed_linear.py
+
 # The architectures whose weights map onto our one Llama-family decoder (see engine/model.py).
 # value: does the architecture put a bias on the q/k/v projections?
 SUPPORTED_ARCHITECTURES = {
@@ -286,6 +288,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
     num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)
+    # How the linear layers' weights are laid out for the matmuls (engine/packed_linear.py): "linear" keeps
+    # nn.Linear's [N, K]; "packed" stores [K, N] in one column block per thread; "auto" packs fp32 on a CPU.
+    weight_layout: str = "auto"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 
     def __post_init__(self) -> None:
@@ -294,6 +299,8 @@ class EngineConfig:
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
         _require(self.attention_backend in ("torch", "sdpa", "triton", "cuda"),
                  f"attention_backend must be one of torch, sdpa, triton, cuda; got {self.attention_backend!r}")
+        _require(self.weight_layout in WEIGHT_LAYOUTS,
+                 f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got {self.weight_layout!r}")
 
 
 SCHEDULER_POLICIES = ("continuous", "static")

@@ -52,6 +52,7 @@ from engine.model import LlamaModel
 from engine.prefix_cache import cache_key
 from engine.prefix_cache import model_id as weights_id
 from engine.request import SWAPPED, Request, validate_token_ids
+from engine.packed_linear import pack_linears, use_packed
 from engine.runner import ModelRunner, PagedAttention
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -61,7 +62,7 @@ from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepRep
 
 
 def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = DEFAULT_ATTENTION_BACKEND,
-                  num_threads: int | None = None, **options) -> EngineConfig:
+                  num_threads: int | None = None, weight_layout: str = "auto", **options) -> EngineConfig:
     """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
     (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
     groups = (("scheduler", SchedulerConfig), ("cache", CacheConfig), ("parallel", ParallelConfig))
@@ -74,6 +75,7 @@ def engine_config(model: str = "tinylab", dtype: str = "float32", attention_back
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         picked[owner][key] = value
     return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend, num_threads=num_threads,
+                        weight_layout=weight_layout,
                         cache=CacheConfig(**picked["cache"]),
                         scheduler=SchedulerConfig(**picked["scheduler"]),
                         parallel=ParallelConfig(**picked["parallel"]))
@@ -139,6 +141,10 @@ class LLMEngine:
             kv_pool = PagedKVPool.for_model(model.config, pool.num_blocks, pool.block_size, pool.dtype,
                                             model.embed_tokens.weight.device, pool.num_swap_blocks,
                                             pool.num_host_blocks)
+            packed = use_packed(self.config.weight_layout, model.embed_tokens.weight.dtype, kv_pool.device)
+            self.weight_layout = "packed" if packed else "linear"
+            if packed:
+                model = pack_linears(model, blocks=self.num_threads)  # a copy: self.model stays as given
             return ModelRunner(model, PagedAttention(kv_pool, self.config.attention_backend, self.sliding_window))
         from engine.parallel.comm import launched_by_torchrun
         from engine.parallel.executor import ParallelExecutor, default_worker_threads
@@ -146,6 +152,7 @@ class LLMEngine:
         if model.embed_tokens.weight.device.type != "cpu":
             raise ValueError("tensor/pipeline parallel runs on CPU ranks over gloo here; load the model on the CPU")
         self.num_threads = default_worker_threads(self.num_threads, par.world_size)
+        self.weight_layout = "linear"  # each rank's shards stay nn.Linear-shaped (not packed yet)
         start = ParallelExecutor.join_torchrun if launched_by_torchrun() else ParallelExecutor.start
         return start(model, self.config, pool, self.sliding_window, self.num_threads)
 
@@ -235,8 +242,14 @@ class LLMEngine:
         """Recompute `model_id` from the model's weights, after changing them in place (a fine-tune step, a
         new checkpoint loaded into the same model). Requests added from now on get the new id in their
         cache key, so they never read K/V the old weights wrote; the old entries become unreachable and
-        are evicted as usual. Returns the new id."""
+        are evicted as usual. Returns the new id.
+
+        With packed weights (engine/packed_linear.py) the runner computes with a packed COPY of the model,
+        so this is also where that copy is made again from the new weights: after changing weights in
+        place, call it before the next step."""
         self.model_id = weights_id(self.config.model, self.model.config, self.model.state_dict().items())
+        if self.weight_layout == "packed":
+            self.runner.model = pack_linears(self.model, blocks=self.num_threads)
         return self.model_id
 
     def get_request(self, request_id: str) -> Request:
@@ -447,6 +460,7 @@ class LLMEngine:
                       "num_hidden_layers": cfg.num_hidden_layers,
                       "max_position_embeddings": cfg.max_position_embeddings},
             "dtype": self.config.dtype, "attention_backend": self.attention.backend, "num_threads": self.num_threads,
+            "weight_layout": self.weight_layout,
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
                       "enable_prefix_caching": self.config.cache.enable_prefix_caching,

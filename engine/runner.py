@@ -34,6 +34,16 @@ from kernels.paged_attention import (
     resolve_backend,
     write_kv,
 )
+from kernels.paged_attention.sdpa import (
+    DecodePlan,
+    PrefillPlan,
+    check_slots,
+    decode_planned,
+    plan_decode,
+    plan_prefill,
+    prefill_planned,
+    write_kv_planned,
+)
 
 INDEX = torch.int32  # block tables and lengths, as the paged kernels expect
 
@@ -58,6 +68,16 @@ class AttentionMetadata:
     decode_seq_lens: Tensor  # [Bd] int32: cached tokens of each decode sequence, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_rows: Tensor | None = None  # [S] int64: rows whose logits we sample from
+    plans: StepPlans | None = None  # the sdpa backend's checked indices and masks, built at the first layer
+
+
+@dataclass
+class StepPlans:
+    """What the sdpa backend computes once per step instead of once per layer (kernels/paged_attention/sdpa.py):
+    the decode rows' gather index and mask, one plan per prefill chunk; the slots have been checked."""
+
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
 
 
 class PagedAttention:
@@ -79,6 +99,8 @@ class PagedAttention:
             self.backend = "torch"
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        if self.backend == "sdpa":
+            return self._forward_planned(layer, q, k, v, meta)
         q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]: the packed batch is one row
         k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]  # [NB, BS, Hkv, D]
         scales = self.kv_pool.scales(layer)  # int8 KV: (k_scale, v_scale) [NB, BS, Hkv]; else None
@@ -93,6 +115,40 @@ class PagedAttention:
             out[chunk.lo:chunk.hi] = paged_prefill_attention(
                 q[chunk.lo:chunk.hi], k_pool, v_pool, chunk.block_table, chunk.positions, self.scale,
                 backend=self.backend, sliding_window=self.sliding_window, scales=scales)
+        return out[None]  # [1, N, H, D]
+
+    def plan(self, meta: AttentionMetadata, q: Tensor) -> StepPlans:
+        """Check the step's slots and tables and build the sdpa gathers and masks: once per step, not per layer."""
+        k_pool, v_pool, scales = self.kv_pool.k[0], self.kv_pool.v[0], self.kv_pool.scales(0)
+        check_slots(meta.slot_mapping, k_pool, v_pool, scales)
+        decode = None
+        if meta.decode_rows.numel():
+            decode = plan_decode(meta.decode_block_tables, meta.decode_seq_lens, k_pool.shape[1], k_pool.shape[0],
+                                 self.sliding_window)
+        prefills = [plan_prefill(q[c.lo:c.hi], k_pool, v_pool, c.block_table, c.positions, self.scale,
+                                 self.sliding_window, scales) for c in meta.prefills]
+        return StepPlans(decode, prefills)
+
+    def _forward_planned(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The sdpa backend: the same work as `forward`, with the step's checks and indices done at layer 0."""
+        q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]
+        if meta.plans is None:
+            meta.plans = self.plan(meta, q)
+        k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]  # [NB, BS, Hkv, D]
+        scales = self.kv_pool.scales(layer)
+        if scales is None:
+            write_kv_planned(k, v, k_pool, v_pool, meta.slot_mapping)
+        else:  # int8: quantize, then scatter
+            write_kv(k, v, k_pool, v_pool, meta.slot_mapping, scales=scales)
+        plans = meta.plans
+        if plans.decode is not None and not plans.prefills:  # a pure decode step: no copy into `out`
+            return decode_planned(q, k_pool, v_pool, plans.decode, self.scale, scales)[None]
+        out = torch.empty_like(q)  # [N, H, D]
+        if plans.decode is not None:
+            out[meta.decode_rows] = decode_planned(q[meta.decode_rows], k_pool, v_pool, plans.decode, self.scale,
+                                                   scales)
+        for chunk, plan in zip(meta.prefills, plans.prefills, strict=True):
+            out[chunk.lo:chunk.hi] = prefill_planned(q[chunk.lo:chunk.hi], k_pool, v_pool, plan, self.scale, scales)
         return out[None]  # [1, N, H, D]
 
 

@@ -81,3 +81,60 @@ def test_sdpa_prefill_takes_the_causal_shortcut_only_for_positions_in_order():
     for positions in (torch.arange(13), shuffled):
         args = (q, inputs["k_pool"], inputs["v_pool"], inputs["block_tables"][0], positions, inputs["scale"])
         assert_close(paged_prefill_attention(*args, backend="sdpa"), paged_prefill_attention_ref(*args))
+
+
+def test_one_decode_plan_serves_every_layer():
+    """The plan depends only on the tables and lengths: built once, it gives each layer's pools the reference's
+    answer (the engine builds it at layer 0 and reuses it in all L layers)."""
+    from kernels.paged_attention.sdpa import decode_planned, plan_decode
+
+    inputs, _, _ = make_paged_cache([3, 17, 8, 1], 4, 4, 2, 8)
+    plan = plan_decode(inputs["block_tables"], inputs["seq_lens"], 4, inputs["k_pool"].shape[0])
+    g = torch.Generator().manual_seed(5)
+    for layer in range(3):  # layer 0 reads the cache as built; layers 1, 2 other pools under the same tables
+        if layer:
+            inputs = {**inputs, "q": torch.randn(inputs["q"].shape, generator=g),
+                      "k_pool": torch.randn(inputs["k_pool"].shape, generator=g),
+                      "v_pool": torch.randn(inputs["v_pool"].shape, generator=g)}
+        got = decode_planned(inputs["q"], inputs["k_pool"], inputs["v_pool"], plan, inputs["scale"])
+        assert_close(got, paged_decode_attention_ref(**inputs))
+
+
+def test_a_decode_plan_checks_the_tables_once():
+    from kernels.paged_attention.sdpa import plan_decode
+
+    inputs, _, _ = make_paged_cache([5, 9], 4, 4, 2, 8)
+    inputs["block_tables"][0, 1] = -3
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = -3 is outside"):
+        plan_decode(inputs["block_tables"], inputs["seq_lens"], 4, inputs["k_pool"].shape[0])
+
+
+def test_planned_write_equals_the_reference_write():
+    from kernels.paged_attention.reference import write_kv_ref
+    from kernels.paged_attention.sdpa import check_slots, write_kv_planned
+
+    g = torch.Generator().manual_seed(7)
+    pools = [torch.randn(6, 4, 2, 8, generator=g) for _ in range(2)]
+    ref = [p.clone() for p in pools]
+    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    slots = torch.tensor([0, 7, 23, 4, 12])
+    check_slots(slots, *pools)
+    write_kv_planned(k, v, *pools, slots)
+    write_kv_ref(k, v, *ref, slots)
+    assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 24 is outside 0..23"):
+        check_slots(torch.tensor([0, 24]), *pools)
+
+
+def test_the_engine_plans_attention_once_per_step_not_per_layer(monkeypatch):
+    import engine.runner as runner
+
+    calls = []
+    real = runner.plan_decode
+    monkeypatch.setattr(runner, "plan_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = random_model(seed=8)  # 2 layers
+    workload = mixed_workload(4, seed=8)
+    engine, outputs = run_engine(model, workload, attention_backend="sdpa")
+    decode_steps = sum(1 for r in engine.trace.steps if any(s.phase == "decode" for s in r.scheduled))
+    assert len(calls) == decode_steps > 0
+    assert list(outputs.values()) == naive_outputs(model, workload)
