@@ -49,10 +49,10 @@ from engine.block_manager import BlockManager
 from engine.config import DEFAULT_ATTENTION_BACKEND, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from engine.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
+from engine.packed_linear import pack_linears, use_packed
 from engine.prefix_cache import cache_key
 from engine.prefix_cache import model_id as weights_id
 from engine.request import SWAPPED, Request, validate_token_ids
-from engine.packed_linear import pack_linears, use_packed
 from engine.runner import ModelRunner, PagedAttention
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
