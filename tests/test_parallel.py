@@ -89,7 +89,8 @@ def test_split_engine_keeps_every_cache_feature(split, cache):
 
 def test_tensor_parallel_pads_an_odd_vocabulary_and_splits_an_untied_head_and_biases():
     """V = 101 does not divide by 2 (the last rank's rows are padding), the LM head is its own matrix, and
-    every projection carries a bias (added once after a row-parallel all-reduce): greedy tokens still equal the whole model's."""
+    every projection carries a bias (added once after a row-parallel all-reduce): greedy tokens still equal the
+    whole model's."""
     cfg = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=False, qkv_bias=True, o_bias=True, mlp_bias=True)
