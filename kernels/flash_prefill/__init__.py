@@ -1,0 +1,79 @@
+"""Flash prefill: causal self-attention of a prompt, in PyTorch (tiled and naive), Triton and CUDA.
+
+    from kernels.flash_prefill import flash_prefill_attention
+    out = flash_prefill_attention(q, k, v, scale, backend="triton")   # q [T, H, D], k/v [T, Hkv, D]
+
+Backends: "torch" is ``flash_attention_ref`` (the tiled online softmax, readable), "naive" is
+``causal_attention_naive`` (the whole [H, T, T] score matrix: the oracle), "triton" and "cuda"
+the kernels. A backend that cannot run here (no GPU for "cuda"; Triton missing, or CPU tensors
+without ``TRITON_INTERPRET=1``) falls back to "torch" with a RuntimeWarning that says why
+(Python shows it once per call site). Triton and the CUDA extension are imported only when
+asked for, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .reference import causal_attention_naive, check_flash_inputs, flash_attention_ref
+
+BACKENDS = ("torch", "naive", "triton", "cuda")
+
+__all__ = [
+    "BACKENDS",
+    "causal_attention_naive",
+    "check_flash_inputs",
+    "flash_attention_ref",
+    "flash_prefill_attention",
+    "resolve_backend",
+]
+
+
+def _why_triton_cannot_run(device) -> str | None:
+    try:
+        from . import triton as triton_backend
+    except (ImportError, RuntimeError) as err:  # triton not installed, or broken
+        return f"Triton could not be imported ({err})"
+    if device.type == "cpu" and not triton_backend.runs_on_cpu():
+        return "tensors are on the CPU and Triton was imported without TRITON_INTERPRET=1"
+    return None
+
+
+def _why_cuda_cannot_run(device) -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    if device.type != "cuda":
+        return f"tensors are on {device}, not on a CUDA device"
+    return None
+
+
+def resolve_backend(backend: str, device) -> str:
+    """The backend that will really run for tensors on ``device`` (warns when it is not ``backend``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+    why = None
+    if backend == "triton":
+        why = _why_triton_cannot_run(device)
+    elif backend == "cuda":
+        why = _why_cuda_cannot_run(device)
+    if why is None:
+        return backend
+    warnings.warn(f"flash prefill backend {backend!r} cannot run here: {why}; using 'torch' instead",
+                  RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+def flash_prefill_attention(q, k, v, scale: float, backend: str = "torch"):
+    """Causal attention of T tokens over themselves: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "triton":
+        from .triton import flash_attention_triton as run
+    elif chosen == "cuda":
+        from .cuda import flash_attention_cuda as run
+    elif chosen == "naive":
+        run = causal_attention_naive
+    else:
+        run = flash_attention_ref
+    return run(q, k, v, scale)

@@ -1,0 +1,89 @@
+"""Build, run and inspect the CUDA flash prefill kernel (``flash_prefill.cu``).
+
+Two ways in, as for ``kernels/paged_attention/cuda.py``:
+- ``flash_attention_cuda(q, k, v, scale)`` compiles the .cu file into a PyTorch extension the
+  first time (``torch.utils.cpp_extension.load``: needs a GPU build of torch, nvcc and ninja;
+  about a minute) and runs it. Same contract as ``causal_attention_naive``.
+- ``nvcc_resource_report()`` needs only ``nvcc``, no GPU and no torch headers: it compiles the
+  file to a cubin and returns what ptxas says about each kernel (registers per thread, spills,
+  barriers). This kernel keeps up to 32 fp32 accumulators per thread (D = 256 over 8 lanes), so
+  registers are the number to watch: they decide how many 128-thread blocks share one SM.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .reference import check_flash_inputs
+
+CU_FILE = Path(__file__).with_name("flash_prefill.cu")
+EXTENSION_NAME = "servelab_flash_prefill"
+MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the .cu file: 8 lanes per query row x 32 accumulators each
+SMEM_FLOATS_PER_BLOCK = "48 * (D + 1) + 272"  # Q, K, V tiles [16][D + 1] and P [16][17], in fp32
+NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a few seconds
+
+
+@functools.cache  # compile once per process; torch also caches the build on disk
+def load_cuda_extension():
+    """Compile (or load from torch's build cache) the extension; needs CUDA, nvcc and ninja."""
+    from torch.utils import cpp_extension
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the CUDA flash-prefill kernel needs a CUDA GPU and a CUDA build of torch")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(CU_FILE)],
+        extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"],
+        verbose=False,
+    )
+
+
+def flash_attention_cuda(q, k, v, scale: float):
+    """Same contract as ``causal_attention_naive``: q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]."""
+    check_flash_inputs(q, k, v, scale)
+    if q.device.type != "cuda":
+        raise ValueError(f"q: the CUDA kernel needs tensors on a CUDA device, got {q.device}; "
+                         "use backend 'torch' or 'triton' on the CPU")
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D = {q.shape[2]} is above the kernel's maximum {MAX_HEAD_DIM}")
+    ext = load_cuda_extension()
+    return ext.flash_prefill(q.contiguous(), k.contiguous(), v.contiguous(), float(scale))
+
+
+def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:
+    """Compile ``cu_file`` for ``arch`` with ``nvcc -cubin -Xptxas -v``; return ptxas's lines.
+
+    One block of lines per kernel instantiation (float, half, bfloat16), names demangled where
+    ``c++filt`` exists, e.g. ``Used 96 registers, used 1 barriers``. Raises RuntimeError when
+    nvcc is missing or fails.
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
+               "-o", str(Path(tmp) / "flash_prefill.cubin"), str(cu_file)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
+             if "ptxas info" in ln or "stack frame" in ln]
+    lines.append(f"dynamic shared memory per thread block: ({SMEM_FLOATS_PER_BLOCK}) * 4 bytes "
+                 "(e.g. D = 128: 25856 bytes)")
+    return _demangle("\n".join(lines))
+
+
+def _demangle(text: str) -> str:
+    cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
+    if cxxfilt is None:
+        return text
+    proc = subprocess.run([cxxfilt], input=text, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else text
