@@ -33,15 +33,18 @@ The numbers are the model's: `PackedLinear(x)` equals `nn.Linear(x)` up to float
 happen in a different order), and the engine's greedy tokens equal the naive loop's (the tests check
 both). Where it pays is a property of the machine, not of the model:
 - fp32 on a CPU: packed (the table above; `weight_layout="auto"` picks it);
-- bf16/fp16 on a CPU: not measured here with packing (this CPU has no bf16 instructions); "auto"
-  leaves those as nn.Linear;
+- bf16 on a CPU: rows <= GEMV_MAX_ROWS read the bf16 weight as it is ([N, K], half the bytes of fp32:
+  torch's bf16 GEMV streamed 10 GB/s here against 7 for fp32 F.linear); more rows run oneDNN's GEMM, in
+  bf16 where the CPU has bf16 instructions (avx512_bf16, AMX) and otherwise in fp32 from an fp32 copy of
+  the bf16 weights: on this AVX2 EPYC a bf16 GEMM is emulated at 13-16 GFLOP/s, the fp32 one runs at
+  50-117 (16-1024 rows). fp16: "auto" leaves it as nn.Linear;
 - a GPU: cuBLAS reads either layout at full speed; "auto" leaves it alone.
 
-The cost is memory: two packed copies of every linear weight. The engine packs a shallow copy of the
-model, so the model you passed in is untouched (it is still `engine.model`, the one the oracle tests
-and notebooks read), and while you hold it, it lives too: three copies of the linear weights in all
-(SmolLM2-135M in fp32: 0.54 GB each). Fine for the models this project runs on a laptop; a bigger
-model would keep one layout only.
+The cost is memory. In fp32: two packed copies of every linear weight; in bf16: one oneDNN copy (in fp32
+where the CPU lacks bf16 instructions, so twice the bf16 bytes). The engine packs a shallow copy of the
+model, so the model you passed in is untouched (it is still `engine.model`, the one the oracle tests and
+notebooks read), and while you hold it, it lives too (SmolLM2-135M in fp32: 0.54 GB for each copy).
+Fine for the models this project runs on a laptop; a bigger model would keep one layout only.
 """
 
 from __future__ import annotations
@@ -49,12 +52,13 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import WEIGHT_LAYOUTS
 
 # Dtypes whose CPU matmuls are faster from the packed layout (the table in the module docstring).
-PACKED_IS_FASTER = {torch.float32: True, torch.bfloat16: False, torch.float16: False}
+PACKED_IS_FASTER = {torch.float32: True, torch.bfloat16: True, torch.float16: False}
 
 
 # Up to this many rows a matmul is a GEMV (memory-bound) and the column blocks win; above it oneDNN (table above).
@@ -69,13 +73,22 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W held twice, in the layouts of the module docstring:
+def bf16_instructions() -> bool:
+    """Whether oneDNN can run bf16 GEMMs in hardware here (avx512_bf16 / AMX); without them a bf16 GEMM is
+    emulated, several times slower than fp32 (15 against 96-117 GFLOP/s on this AVX2 EPYC, 1024 rows)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
-        blocks  [P, K, N/P]   P column blocks of W^T, for M <= GEMV_MAX_ROWS rows (P = `blocks` if it divides
-                              N, else 1: then blocks[0] is simply W^T [K, N])
-        onednn  opaque        oneDNN's blocked copy of W [N, K], for more rows (None where oneDNN is missing
-                              or W is not fp32 on a CPU: then the blocks serve every M)
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held twice, in the layouts of the module docstring, picked by the number of rows M:
+
+        M <= GEMV_MAX_ROWS   fp32: `packed` [P, K, N/P], P column blocks of W^T (P = `blocks` if it divides N,
+                             else 1: then packed[0] is simply W^T [K, N]);
+                             bf16: W itself, [N, K], shared with the original (torch's bf16 GEMV reads that
+                             layout fastest, and half the bytes of fp32 is the whole point at batch 1)
+        M > GEMV_MAX_ROWS    `onednn`: oneDNN's blocked copy, in bf16 where the CPU has bf16 instructions,
+                             else in fp32 (the rows are cast up and the result back: the GEMM then runs at fp32
+                             speed instead of an emulated bf16 one); None where oneDNN is missing
     """
 
     def __init__(self, linear: nn.Linear, blocks: int):
@@ -86,15 +99,26 @@ class PackedLinear(nn.Module):
         N, K = weight.shape  # nn.Linear: [out, in]
         P = blocks if N % blocks == 0 else 1
         self.in_features, self.out_features, self.blocks = K, N, P
-        self.register_buffer("packed", weight.t().reshape(K, P, N // P).permute(1, 0, 2).contiguous())  # [P,K,N/P]
         self.bias = None if linear.bias is None else linear.bias.detach()  # [N]
-        use_onednn = onednn_available() and weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT) if use_onednn else None
+        if weight.dtype == torch.bfloat16:
+            self.packed, self.weight = None, weight  # [N, K], no copy
+        else:
+            self.packed = weight.t().reshape(K, P, N // P).permute(1, 0, 2).contiguous()  # [P, K, N/P]
+        keep_bf16 = weight.dtype == torch.bfloat16 and bf16_instructions()
+        self.gemm_dtype = torch.bfloat16 if keep_bf16 else torch.float32
+        use_onednn = (onednn_available() and weight.device.type == "cpu"
+                      and weight.dtype in (torch.float32, torch.bfloat16))
+        self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.to(self.gemm_dtype), ONEDNN_ROWS_HINT)
+                       if use_onednn else None)
+        self.gemm_bias = None if self.bias is None else self.bias.to(self.gemm_dtype)
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         rows = x.reshape(-1, self.in_features)  # [M, K]
         if rows.shape[0] > GEMV_MAX_ROWS and self.onednn is not None:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.onednn, self.bias, "none", [], "")  # [M, N]
+            y = torch.ops.mkldnn._linear_pointwise(rows.to(self.gemm_dtype), self.onednn, self.gemm_bias,
+                                                   "none", [], "").to(x.dtype)  # [M, N]
+        elif self.packed is None:
+            y = F.linear(rows, self.weight, self.bias)  # bf16 GEMV on [N, K]
         else:
             y = self._blocks_matmul(rows)
         return y.view(*x.shape[:-1], self.out_features)
@@ -112,7 +136,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.blocks}, "
-                f"onednn={self.onednn is not None}")
+                f"onednn={self.onednn is not None}, gemm_dtype={self.gemm_dtype}")
 
 
 def use_packed(layout: str, dtype: torch.dtype, device: torch.device) -> bool:

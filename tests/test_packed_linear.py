@@ -16,7 +16,14 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, engine_config
 from engine.naive import generate_naive
-from engine.packed_linear import GEMV_MAX_ROWS, PackedLinear, onednn_available, pack_linears, use_packed
+from engine.packed_linear import (
+    GEMV_MAX_ROWS,
+    PackedLinear,
+    bf16_instructions,
+    onednn_available,
+    pack_linears,
+    use_packed,
+)
 from engine.quantization import QuantLinear, quantize_model
 from engine.sampling import SamplingParams
 
@@ -39,7 +46,7 @@ def test_packed_linear_equals_nn_linear(dtype, blocks, bias, lead):
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         assert err <= TOLERANCE[dtype], f"blocks={blocks} N={n_out}: relative error {err:.2e}"
         assert packed.blocks == (blocks if n_out % blocks == 0 else 1)
-        assert (packed.onednn is not None) == (dtype == torch.float32 and onednn_available())
+        assert (packed.onednn is not None) == onednn_available()
 
 
 def test_packed_weight_is_the_transpose_cut_into_column_blocks():
@@ -49,6 +56,19 @@ def test_packed_weight_is_the_transpose_cut_into_column_blocks():
     packed = PackedLinear(linear, blocks=2).packed  # [P=2, K=3, N/P=2]
     assert packed.shape == (2, 3, 2) and packed.is_contiguous()
     assert torch.equal(packed[0], linear.weight[:2].t()) and torch.equal(packed[1], linear.weight[2:].t())
+
+
+def test_bf16_gemv_reads_the_original_weight_and_the_gemm_runs_in_a_dtype_the_cpu_has():
+    linear = nn.Linear(8, 6).to(torch.bfloat16)
+    packed = PackedLinear(linear, blocks=2)
+    assert packed.weight is not None and packed.weight.data_ptr() == linear.weight.data_ptr()  # no copy
+    assert packed.gemm_dtype == (torch.bfloat16 if bf16_instructions() else torch.float32)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = linear(x).float()
+        got = packed(x)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max() / want.abs().max()) <= TOLERANCE[torch.bfloat16]
 
 
 def test_bad_block_count_is_refused():
@@ -77,7 +97,7 @@ def test_quantized_layers_are_not_packed():
 
 
 @pytest.mark.parametrize("layout, dtype, device, expected", [
-    ("auto", torch.float32, "cpu", True), ("auto", torch.bfloat16, "cpu", False),
+    ("auto", torch.float32, "cpu", True), ("auto", torch.bfloat16, "cpu", True), ("auto", torch.float16, "cpu", False),
     ("auto", torch.float32, "cuda", False), ("packed", torch.bfloat16, "cpu", True),
     ("linear", torch.float32, "cpu", False)])
 def test_auto_packs_fp32_on_a_cpu_only(layout, dtype, device, expected):
