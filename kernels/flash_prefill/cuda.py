@@ -13,12 +13,11 @@ Two ways in, as for ``kernels/paged_attention/cuda.py``:
 from __future__ import annotations
 
 import functools
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import demangle, ptxas_lines
 
 from .reference import check_flash_inputs
 
@@ -26,7 +25,6 @@ CU_FILE = Path(__file__).with_name("flash_prefill.cu")
 EXTENSION_NAME = "servelab_flash_prefill"
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in the .cu file: 8 lanes per query row x 32 accumulators each
 SMEM_FLOATS_PER_BLOCK = "48 * (D + 1) + 272"  # Q, K, V tiles [16][D + 1] and P [16][17], in fp32
-NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a few seconds
 
 
 @functools.cache  # compile once per process; torch also caches the build on disk
@@ -65,25 +63,8 @@ def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:
     ``c++filt`` exists, e.g. ``Used 96 registers, used 1 barriers``. Raises RuntimeError when
     nvcc is missing or fails.
     """
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
-               "-o", str(Path(tmp) / "flash_prefill.cubin"), str(cu_file)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
-             if "ptxas info" in ln or "stack frame" in ln]
+    lines = ptxas_lines(cu_file, arch)
     lines.append(f"dynamic shared memory per thread block: ({SMEM_FLOATS_PER_BLOCK}) * 4 bytes "
                  "(e.g. D = 128: 25856 bytes)")
-    return _demangle("\n".join(lines))
+    return demangle("\n".join(lines))
 
-
-def _demangle(text: str) -> str:
-    cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
-    if cxxfilt is None:
-        return text
-    proc = subprocess.run([cxxfilt], input=text, capture_output=True, text=True)
-    return proc.stdout if proc.returncode == 0 else text

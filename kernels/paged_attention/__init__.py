@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import warnings
 
+from kernels.toolchain import why_cuda_cannot_run, why_triton_cannot_run
+
 from .reference import (
     NULL_BLOCK,
     check_paged_inputs,
@@ -40,35 +42,15 @@ __all__ = [
 ]
 
 
-def _why_triton_cannot_run(device) -> str | None:
-    try:
-        from . import triton as triton_backend
-    except (ImportError, RuntimeError) as err:  # triton not installed, or broken
-        return f"Triton could not be imported ({err})"
-    if device.type == "cpu" and not triton_backend.runs_on_cpu():
-        return "tensors are on the CPU and Triton was imported without TRITON_INTERPRET=1"
-    return None
-
-
-def _why_cuda_cannot_run(device) -> str | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA device is available"
-    if device.type != "cuda":
-        return f"tensors are on {device}, not on a CUDA device"
-    return None
-
-
 def resolve_backend(backend: str, device) -> str:
     """The backend that will really run for tensors on ``device`` (warns when it is not ``backend``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
     why = None
     if backend == "triton":
-        why = _why_triton_cannot_run(device)
+        why = why_triton_cannot_run(device, "kernels.paged_attention.triton")
     elif backend == "cuda":
-        why = _why_cuda_cannot_run(device)
+        why = why_cuda_cannot_run(device)
     if why is None:
         return backend
     warnings.warn(f"paged attention backend {backend!r} cannot run here: {why}; using 'torch' instead",

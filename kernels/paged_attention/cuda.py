@@ -13,12 +13,11 @@ Two ways in:
 from __future__ import annotations
 
 import functools
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import demangle, ptxas_lines
 
 from .reference import check_paged_inputs
 
@@ -27,7 +26,6 @@ EXTENSION_NAME = "servelab_paged_attention"
 MAX_HEAD_DIM = 512  # NUM_THREADS (128) x MAX_DIMS_PER_THREAD (4) in the .cu file
 SMEM_FLOATS_PER_BLOCK = "D + 2 * BS"  # the kernel's dynamic shared memory: q, scores, probabilities
 MAX_SMEM_BYTES = 48 * 1024  # dynamic shared memory a launch gets without opting in to more
-NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a couple of seconds
 
 
 @functools.cache  # compile once per process; torch also caches the build on disk
@@ -76,28 +74,10 @@ def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:
     One block of lines per kernel instantiation, names demangled where ``c++filt`` exists, e.g.
     ``Used 56 registers, used 1 barriers``. Raises RuntimeError when nvcc is missing or fails.
     """
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
-               "-o", str(Path(tmp) / "paged_attention.cubin"), str(cu_file)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
-             if "ptxas info" in ln or "stack frame" in ln]
+    lines = ptxas_lines(cu_file, arch)
     lines.append(f"dynamic shared memory per thread block: ({SMEM_FLOATS_PER_BLOCK}) * 4 bytes "
                  "(e.g. D = 128, BS = 16: 640 bytes)")
-    return _demangle("\n".join(lines))
-
-
-def _demangle(text: str) -> str:
-    cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
-    if cxxfilt is None:
-        return text
-    proc = subprocess.run([cxxfilt], input=text, capture_output=True, text=True)
-    return proc.stdout if proc.returncode == 0 else text
+    return demangle("\n".join(lines))
 
 
 def registers_per_kernel(report: str) -> dict[str, int]:

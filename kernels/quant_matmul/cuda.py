@@ -10,20 +10,17 @@
 from __future__ import annotations
 
 import functools
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels.paged_attention.cuda import _demangle, registers_per_kernel
+from kernels.paged_attention.cuda import registers_per_kernel
+from kernels.toolchain import demangle, ptxas_lines
 
 from .reference import QuantizedWeight, check_activations, check_quantized_weight
 
 CU_FILE = Path(__file__).with_name("quant_matmul.cu")
 EXTENSION_NAME = "servelab_quant_matmul"
-NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a few seconds
 
 __all__ = ["nvcc_resource_report", "quant_matmul_cuda", "registers_per_kernel"]
 
@@ -64,15 +61,5 @@ def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:
     """Compile ``cu_file`` for ``arch`` with ``nvcc -cubin -Xptxas -v``; return ptxas's lines per kernel.
 
     Raises RuntimeError when nvcc is missing or fails."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
-               "-o", str(Path(tmp) / "quant_matmul.cubin"), str(cu_file)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
-             if "ptxas info" in ln or "stack frame" in ln]
-    return _demangle("\n".join(lines))
+    lines = ptxas_lines(cu_file, arch)
+    return demangle("\n".join(lines))

@@ -1,0 +1,64 @@
+"""What a kernel backend needs from the machine, asked in one place: Triton, a CUDA GPU, nvcc.
+
+Every kernel folder (`paged_attention/`, `flash_prefill/`, `quant_matmul/`) picks a backend by name and falls
+back to its PyTorch reference with a warning that says why the chosen one cannot run; the reasons, and the
+nvcc call that reports a kernel's registers and spills, live here so that they are written once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a couple of seconds
+
+
+def why_triton_cannot_run(device, triton_module: str) -> str | None:
+    """None if the Triton kernels of `triton_module` (e.g. "kernels.paged_attention.triton") can run on tensors
+    on `device`, else the reason. On a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1)."""
+    try:
+        module = importlib.import_module(triton_module)
+    except (ImportError, RuntimeError) as err:  # triton not installed, or broken
+        return f"Triton could not be imported ({err})"
+    if device.type == "cpu" and not module.runs_on_cpu():
+        return "tensors are on the CPU and Triton was imported without TRITON_INTERPRET=1"
+    return None
+
+
+def why_cuda_cannot_run(device) -> str | None:
+    """None if a CUDA kernel can run on tensors on `device`, else the reason."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    if device.type != "cuda":
+        return f"tensors are on {device}, not on a CUDA device"
+    return None
+
+
+def ptxas_lines(cu_file: Path, arch: str) -> list[str]:
+    """Compile `cu_file` for `arch` with ``nvcc -cubin -Xptxas -v`` (no GPU needed) and return ptxas's lines:
+    registers, spills and barriers of every kernel. Raises RuntimeError when nvcc is missing or fails."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
+               "-o", str(Path(tmp) / f"{Path(cu_file).stem}.cubin"), str(cu_file)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+    return [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
+            if "ptxas info" in ln or "stack frame" in ln]
+
+
+def demangle(text: str) -> str:
+    """C++ kernel names made readable with c++filt (or cu++filt) where one exists; the text as it is otherwise."""
+    cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
+    if cxxfilt is None:
+        return text
+    proc = subprocess.run([cxxfilt], input=text, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else text
