@@ -62,3 +62,36 @@ def demangle(text: str) -> str:
         return text
     proc = subprocess.run([cxxfilt], input=text, capture_output=True, text=True)
     return proc.stdout if proc.returncode == 0 else text
+
+
+def chosen_backend(backend: str, backends: tuple, device, triton_module: str, what: str) -> str:
+    """The backend that will really run for tensors on `device`: `backend` itself, or "torch" with a
+    RuntimeWarning that says why (`what` names the op in the message). Unknown names are a ValueError."""
+    import warnings
+
+    if backend not in backends:
+        raise ValueError(f"backend: {backend!r} is not one of {backends}")
+    why = None
+    if backend == "triton":
+        why = why_triton_cannot_run(device, triton_module)
+    elif backend == "cuda":
+        why = why_cuda_cannot_run(device)
+    if why is None:
+        return backend
+    warnings.warn(f"{what} backend {backend!r} cannot run here: {why}; using 'torch' instead",
+                  RuntimeWarning, stacklevel=4)
+    return "torch"
+
+
+def build_cuda_extension(name: str, cu_file: Path, what: str):
+    """Compile `cu_file` into a PyTorch extension (or load it from torch's build cache): needs a CUDA GPU, a CUDA
+    build of torch, nvcc and ninja. Callers cache the module (`functools.cache`), so it compiles once per process."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"the CUDA {what} needs a CUDA GPU and a CUDA build of torch")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
+    return cpp_extension.load(name=name, sources=[str(cu_file)],
+                              extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"], verbose=False)

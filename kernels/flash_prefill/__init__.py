@@ -13,9 +13,7 @@ asked for, so importing this package is cheap.
 
 from __future__ import annotations
 
-import warnings
-
-from kernels.toolchain import why_cuda_cannot_run, why_triton_cannot_run
+from kernels.toolchain import chosen_backend
 
 from .reference import causal_attention_naive, check_flash_inputs, flash_attention_ref
 
@@ -33,18 +31,7 @@ __all__ = [
 
 def resolve_backend(backend: str, device) -> str:
     """The backend that will really run for tensors on ``device`` (warns when it is not ``backend``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
-    why = None
-    if backend == "triton":
-        why = why_triton_cannot_run(device, "kernels.flash_prefill.triton")
-    elif backend == "cuda":
-        why = why_cuda_cannot_run(device)
-    if why is None:
-        return backend
-    warnings.warn(f"flash prefill backend {backend!r} cannot run here: {why}; using 'torch' instead",
-                  RuntimeWarning, stacklevel=3)
-    return "torch"
+    return chosen_backend(backend, BACKENDS, device, "kernels.flash_prefill.triton", "flash prefill")
 
 
 def flash_prefill_attention(q, k, v, scale: float, backend: str = "torch"):

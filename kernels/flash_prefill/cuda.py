@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
-
-from kernels.toolchain import demangle, ptxas_lines
+from kernels.toolchain import build_cuda_extension, demangle, ptxas_lines
 
 from .reference import check_flash_inputs
 
@@ -30,18 +28,7 @@ SMEM_FLOATS_PER_BLOCK = "48 * (D + 1) + 272"  # Q, K, V tiles [16][D + 1] and P 
 @functools.cache  # compile once per process; torch also caches the build on disk
 def load_cuda_extension():
     """Compile (or load from torch's build cache) the extension; needs CUDA, nvcc and ninja."""
-    from torch.utils import cpp_extension
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA flash-prefill kernel needs a CUDA GPU and a CUDA build of torch")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
-    return cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(CU_FILE)],
-        extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"],
-        verbose=False,
-    )
+    return build_cuda_extension(EXTENSION_NAME, CU_FILE, "flash-prefill kernel")
 
 
 def flash_attention_cuda(q, k, v, scale: float):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 
-from kernels.toolchain import why_cuda_cannot_run, why_triton_cannot_run
+from kernels.toolchain import chosen_backend
 
 from .reference import (
     NULL_BLOCK,
@@ -44,18 +44,7 @@ __all__ = [
 
 def resolve_backend(backend: str, device) -> str:
     """The backend that will really run for tensors on ``device`` (warns when it is not ``backend``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
-    why = None
-    if backend == "triton":
-        why = why_triton_cannot_run(device, "kernels.paged_attention.triton")
-    elif backend == "cuda":
-        why = why_cuda_cannot_run(device)
-    if why is None:
-        return backend
-    warnings.warn(f"paged attention backend {backend!r} cannot run here: {why}; using 'torch' instead",
-                  RuntimeWarning, stacklevel=3)
-    return "torch"
+    return chosen_backend(backend, BACKENDS, device, "kernels.paged_attention.triton", "paged attention")
 
 
 def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale: float, backend: str = "torch",

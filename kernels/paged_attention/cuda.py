@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import torch
-
-from kernels.toolchain import demangle, ptxas_lines
+from kernels.toolchain import build_cuda_extension, demangle, ptxas_lines
 
 from .reference import check_paged_inputs
 
@@ -31,18 +29,7 @@ MAX_SMEM_BYTES = 48 * 1024  # dynamic shared memory a launch gets without opting
 @functools.cache  # compile once per process; torch also caches the build on disk
 def load_cuda_extension():
     """Compile (or load from torch's build cache) the extension; needs CUDA, nvcc and ninja."""
-    from torch.utils import cpp_extension
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA paged-attention kernel needs a CUDA GPU and a CUDA build of torch")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
-    return cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(CU_FILE)],
-        extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"],
-        verbose=False,
-    )
+    return build_cuda_extension(EXTENSION_NAME, CU_FILE, "paged-attention kernel")
 
 
 def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kernels.paged_attention.cuda import registers_per_kernel
-from kernels.toolchain import demangle, ptxas_lines
+from kernels.toolchain import build_cuda_extension, demangle, ptxas_lines
 
 from .reference import QuantizedWeight, check_activations, check_quantized_weight
 
@@ -28,14 +28,7 @@ __all__ = ["nvcc_resource_report", "quant_matmul_cuda", "registers_per_kernel"]
 @functools.cache  # compile once per process; torch also caches the build on disk
 def load_cuda_extension():
     """Compile (or load from torch's build cache) the extension; needs CUDA, nvcc and ninja."""
-    from torch.utils import cpp_extension
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA quantized matmul needs a CUDA GPU and a CUDA build of torch")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
-    return cpp_extension.load(name=EXTENSION_NAME, sources=[str(CU_FILE)],
-                              extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"], verbose=False)
+    return build_cuda_extension(EXTENSION_NAME, CU_FILE, "quantized matmul")
 
 
 def quant_matmul_cuda(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
