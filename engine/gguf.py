@@ -337,6 +337,15 @@ def quantized_linear_weights(path_or_name: str | Path) -> dict:
     return out
 
 
+def quantized_head_weight(path_or_name: str | Path):
+    """The LM head as the file stores it, when that is Q8_0/Q4_0/Q4_1 blocks: `output.weight`, or the tied
+    `token_embd.weight` where there is no separate head. None when the head is stored in a float type."""
+    path = packaged_gguf_path(str(path_or_name)) if str(path_or_name) in PACKAGED_MODELS else Path(path_or_name)
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    return None if t is None else quantized_blocks(t.data, t.tensor_type.name, t.data.shape[0])
+
+
 # ---- tokenizer -------------------------------------------------------------------------------
 def _pre_tokenizer(kind: str, path):
     """How text is cut before BPE, as llama.cpp does for `tokenizer.ggml.pre`."""

@@ -151,12 +151,15 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype = torch.float3
 
 def _keep_gguf_blocks(model: LlamaModel, path_or_name, folder: Path) -> None:
     from engine import gguf
-    from engine.quantization import use_quantized_weights
+    from engine.quantization import quantize_lm_head, use_quantized_weights
 
     if not (folder / gguf.PROVENANCE_FILE).exists():
         raise ValueError(f"quantization='gguf' needs a GGUF source (a *.gguf file or {sorted(gguf.PACKAGED_MODELS)}), "
                          f"got {str(path_or_name)!r}")
     use_quantized_weights(model, gguf.quantized_linear_weights(path_or_name))
+    head = gguf.quantized_head_weight(path_or_name)
+    if head is not None:  # the head read from its blocks too, as llama.cpp reads it (the embedding stays float)
+        quantize_lm_head(model, qw=head)
 
 
 def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32,
@@ -165,7 +168,8 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32,
     file or a packaged GGUF model ("smollm2-135m-instruct": converted once into a cache folder).
 
     quantization="gguf" (GGUF sources only) keeps the file's Q8_0/Q4_0/Q4_1 blocks of the decoder
-    linears as int8/int4 `QuantLinear`s (chapter 07) instead of their fp32 conversion.
+    linears, and of the LM head where it is stored so, as int8/int4 `QuantLinear`s (chapter 07) instead
+    of their fp32 conversion (the embedding stays fp32: a lookup reads one row).
     The tokenizer is None (with a warning) when the folder has no tokenizer.json.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):

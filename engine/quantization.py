@@ -42,6 +42,8 @@ from kernels.quant_matmul.reference import INT4_LEVELS, INT8_MAX, TINY_SCALE, in
 
 GPTQ_DAMP = 0.01  # GPTQ's "percdamp": add 1% of H's mean diagonal, so H stays invertible
 GPTQ_BLOCK = 128  # columns updated together (the paper's lazy batch); results do not depend on it
+PREPARED_BACKENDS = ("packed", "native")  # backends with per-weight work done once, in set_backend
+HEAD_GROUP = 32  # the LM head's int8 groups (``quantize_lm_head``): GGUF's Q8_0 blocks use the same
 SMOOTH_MIN = 1e-5  # no smoothing factor below this: a dead channel must not become a division by ~0
 
 
@@ -83,7 +85,8 @@ class QuantLinear(nn.Module):
     """A drop-in nn.Linear whose weight is a ``QuantizedWeight`` (buffers, so ``.to(device)`` works).
 
     forward(x [..., K]) -> [..., N]. ``backend`` picks the kernel (see kernels/quant_matmul):
-    "torch" (the readable oracle), "packed" (torch's CPU ops, bf16 inside), "triton", "cuda".
+    "torch" (the readable oracle), "packed" (torch's CPU ops, bf16 inside), "native" (our C kernel,
+    x rounded to int8 per 32 inputs), "triton", "cuda".
     ``act_quant`` makes it W8A8; ``smooth`` [K] divides x first (SmoothQuant; W was multiplied by it).
     With "packed", torch's own copy of an int4 weight sits beside ours (``quantized_weight_bytes``
     counts the format once).
@@ -108,14 +111,16 @@ class QuantLinear(nn.Module):
                                (self.out_features, self.in_features))
 
     def set_backend(self, backend: str) -> None:
-        """Switch kernels; "packed" builds torch's layout once here (not on every call)."""
+        """Switch kernels; "packed" builds torch's layout once here and "native" checks the weight once
+        (not on every call)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
         self.backend = backend
         from kernels.quant_matmul import why_backend_cannot_run
 
-        usable = backend == "packed" and not self.act_quant and why_backend_cannot_run("packed", self.qw) is None
-        self._prepared = prepare(self.qw, "packed") if usable else None
+        usable = (backend in PREPARED_BACKENDS and not self.act_quant
+                  and why_backend_cannot_run(backend, self.qw) is None)
+        self._prepared = prepare(self.qw, backend) if usable else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.smooth is not None:
@@ -392,6 +397,24 @@ def weight_bytes_breakdown(model: nn.Module) -> dict[str, int]:
 def quantized_weight_bytes(model: nn.Module) -> int:
     """All weight bytes of ``model`` as it is now (quantized or not): the sum of the breakdown."""
     return sum(weight_bytes_breakdown(model).values())
+
+
+def quantize_lm_head(model: nn.Module, backend: str = "torch", qw: QuantizedWeight | None = None) -> nn.Module:
+    """Give ``model`` an int8 LM head (groups of ``HEAD_GROUP``, or ``qw``, e.g. a GGUF file's Q8_0 head), in
+    place; returns the model. The embedding stays float: a token's lookup reads one row of it, while the head
+    reads ALL of it for every decoded token (SmolLM2: 49,152 x 576, 108 MiB in fp32, the largest matrix).
+    A tied head is untied: the int8 copy is extra bytes on disk and in memory, but a quarter of the bytes
+    each decode step reads."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, QuantLinear):
+        raise ValueError("model: its LM head is already quantized")
+    weight = _weight_of("lm_head", head)
+    if qw is None:
+        qw = quantize(weight.float(), 8, group_size_for(QuantScheme("head", 8, HEAD_GROUP), weight.shape[1]))
+    elif qw.shape != tuple(weight.shape):
+        raise ValueError(f"qw: the head is {list(weight.shape)}, got a {list(qw.shape)} weight")
+    model.lm_head = QuantLinear(qw, head.bias, backend)
+    return model
 
 
 def set_backend(model: nn.Module, backend: str) -> None:

@@ -1,4 +1,4 @@
-"""What a kernel backend needs from the machine, asked in one place: Triton, a CUDA GPU, nvcc.
+"""What a kernel backend needs from the machine, asked in one place: Triton, a CUDA GPU, nvcc, a C compiler.
 
 Every kernel folder (`paged_attention/`, `flash_prefill/`, `quant_matmul/`) picks a backend by name and falls
 back to its PyTorch reference with a warning that says why the chosen one cannot run; the reasons, and the
@@ -7,13 +7,20 @@ nvcc call that reports a kernel's registers and spills, live here so that they a
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import importlib
+import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a couple of seconds
+CC_TIMEOUT_S = 120  # a C kernel compiles in about a second
+C_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11")
+AVX2_FLAGS = ("-mavx2", "-mfma")  # added where torch reports the CPU can run AVX2 (torch.backends.cpu)
+CACHE_ENV = "SERVELAB_CACHE"  # where compiled C kernels are kept (default ~/.cache/servelab)
 
 
 def why_triton_cannot_run(device, triton_module: str) -> str | None:
@@ -95,3 +102,50 @@ def build_cuda_extension(name: str, cu_file: Path, what: str):
         raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
     return cpp_extension.load(name=name, sources=[str(cu_file)],
                               extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"], verbose=False)
+
+
+# ---- C kernels for the CPU ---------------------------------------------------------------------------
+
+
+def c_compiler() -> str | None:
+    """The C compiler to use: $CC, else cc or gcc on PATH (None if there is none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def c_flags() -> tuple[str, ...]:
+    """Flags for this machine: AVX2 and FMA where torch says the CPU has them, plain C otherwise."""
+    import torch
+
+    has_avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return C_FLAGS + (AVX2_FLAGS if has_avx2 else ())
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "servelab") / "kernels"
+
+
+def build_c_library(c_file: Path, what: str, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile `c_file` into a shared library (once per source, flags and compiler: the result is cached on
+    disk) and load it with ctypes. torch must be imported first so that the library's OpenMP is torch's own.
+    `flags` None: `c_flags()`. Raises RuntimeError with the reason when there is no compiler or it fails."""
+    cc = c_compiler()
+    if cc is None:
+        raise RuntimeError(f"the C {what} needs a C compiler (cc or gcc on PATH, or $CC)")
+    source = Path(c_file).read_bytes()
+    flags = c_flags() if flags is None else tuple(flags)
+    key = hashlib.sha256(source + " ".join((cc, *flags)).encode()).hexdigest()[:16]
+    out = kernel_cache_dir() / f"{Path(c_file).stem}-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")  # then renamed: parallel test workers never see half a file
+        cmd = [cc, *flags, "-o", str(tmp), str(c_file)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CC_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"compiling the C {what} took over {CC_TIMEOUT_S} s ({' '.join(cmd)})") from None
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"compiling the C {what} failed ({' '.join(cmd)}):\n{proc.stderr}")
+        os.replace(tmp, out)
+    return ctypes.CDLL(str(out))

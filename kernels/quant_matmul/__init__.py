@@ -8,6 +8,7 @@ Triton and CUDA, chosen by name.
 Backends (``BACKENDS``):
     "torch"   reference.py: dequantize the whole W to fp32, then matmul (readable, slow)
     "packed"  cpu_packed.py: torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu (bf16 inside)
+    "native"  cpu_native.py: cpu_native.c, integer dot products on x rounded to int8 per 32 inputs (C, AVX2)
     "triton"  triton.py: a fused dequant-GEMV (on CPU tensors only under TRITON_INTERPRET=1)
     "cuda"    quant_matmul.cu through cuda.py (a CUDA GPU)
 
@@ -33,7 +34,7 @@ from .reference import (
     w8a8_matmul_ref,
 )
 
-BACKENDS = ("torch", "packed", "triton", "cuda")
+BACKENDS = ("torch", "packed", "native", "triton", "cuda")
 
 __all__ = [
     "BACKENDS", "QuantizedWeight", "check_quantized_weight", "dequantize", "pack_int4", "prepare",
@@ -49,6 +50,10 @@ def why_backend_cannot_run(backend: str, qw: QuantizedWeight) -> str | None:
         from .cpu_packed import why_packed_cannot_run
 
         return why_packed_cannot_run(qw, device)
+    if backend == "native":
+        from .cpu_native import why_native_cannot_run
+
+        return why_native_cannot_run(qw, device)
     if backend == "triton":
         try:
             from . import triton as triton_backend
@@ -80,24 +85,33 @@ def resolve_backend(backend: str, qw: QuantizedWeight) -> str:
 
 def prepare(qw: QuantizedWeight, backend: str):
     """What ``quant_matmul`` needs besides ``qw`` for this backend, built once: torch's packed layout
-    for "packed", None for the others (they read ``qw`` as it is)."""
+    for "packed", the checked pointers for "native", None for the others (they read ``qw`` as it is)."""
     if backend == "packed":
         from .cpu_packed import prepack
 
         return prepack(qw)
+    if backend == "native":
+        from .cpu_native import prepare_native
+
+        return prepare_native(qw)
     return None
 
 
 def quant_matmul(x, qw: QuantizedWeight, bias=None, backend: str = "torch", prepared=None):
     """x [..., K] @ dequantize(qw)^T (+ bias) -> [..., N] on the chosen backend.
 
-    For "packed", pass ``prepared=prepare(qw, "packed")`` to pack once instead of on every call.
+    For "packed" and "native", pass ``prepared=prepare(qw, backend)`` to do the weight's work once
+    instead of on every call. "native" rounds x to int8 per block of 32 inputs (cpu_native.py).
     """
     chosen = resolve_backend(backend, qw)
     if chosen == "packed":
         from .cpu_packed import quant_matmul_packed
 
         return quant_matmul_packed(x, qw, prepared if prepared is not None else prepare(qw, "packed"), bias)
+    if chosen == "native":
+        from .cpu_native import quant_matmul_native
+
+        return quant_matmul_native(x, qw, bias, prepared)
     if chosen == "triton":
         from .triton import quant_matmul_triton
 

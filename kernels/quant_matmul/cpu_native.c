@@ -1,0 +1,195 @@
+/* A fused dequantize-and-multiply for the CPU, in C: y[M, N] = x[M, K] @ dequantize(W)^T.
+ *
+ * The Triton kernel's idea (triton.py) written for a CPU core, the way llama.cpp does it: stream each weight
+ * row once, never build a float weight, and let integer dot-product instructions do the multiplying. To
+ * multiply integers by integers, x is first rounded to int8 in blocks of 32 inputs, each block with its own
+ * scale (once per call, a few microseconds; llama.cpp's "Q8" activations):
+ *
+ *     x[k] ~ qx[k] * sx[b]          qx in -127..127, sx[b] = max |x| over block b / 127
+ *
+ *     y[m, n] = sum_g s[n, g] * ( sum_{b in g} sx[b] * sum_{k in b} q[n, k] * qx[k]   -   z[n, g] * xs[g] )
+ *                                                     \__ exact, in int32 ___/               xs[g] = sum_{k in g} qx[k] * sx[b]
+ *
+ * which is exactly dequantize(W) @ x_rounded (int8 is symmetric: z = 0). So the kernel's oracle is the
+ * reference applied to the rounded x (``round_activations`` in cpu_native.py); against the unrounded x the
+ * difference is the rounding of x, about 1/254 of each block's largest |x| per input.
+ *
+ * The weight bytes are read as they are stored (kernels/quant_matmul/reference.py): int8 [N, K], or int4 two
+ * to a byte, the even input k in the low nibble and k + 1 in the high one. Nibbles come out of a byte as
+ * (even, odd) pairs, so for int4 the rounded x is reordered once per call, block by block, into that order:
+ *
+ *     qx block:   x0 x1 x2 ... x31     ->   x0 x2 ... x30 | x1 x3 ... x31   (evens, then odds)
+ *
+ * AVX2 handles 32 weights per step with one "multiply bytes, add pairs" instruction (vpmaddubsw: unsigned
+ * times signed bytes -> 16-bit pair sums; int4 values are 0..15, int8 weights are made unsigned by moving
+ * their sign onto x), one "add pairs again" (vpmaddwd -> 8 int32 sums), one convert and one FMA with the
+ * block's scale. Without AVX2 the plain C loops below do the same integer arithmetic. The rows n are split
+ * between threads with OpenMP: torch's OpenMP runtime is already in the process (the same library name), so
+ * both share one pool of threads.
+ *
+ * Contract (checked in Python before the call): K and G multiples of BLOCK, G divides K, x and y fp32 and
+ * contiguous, scales/zeros fp32 [N or 1, K / G] with `scale_row_stride` K / G (or 0 for one per-tensor pair).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32     /* inputs per activation scale, and per inner step: 16 int4 bytes or 32 int8 bytes */
+#define QX_MAX 127   /* x rounds to -127..127, so +x and -x round to +q and -q */
+
+/* ---- the x side, once per call ------------------------------------------------------------------ */
+
+/* Rounded x of one row: qx[K] int8, sx[K / BLOCK] scales, xs[K / G] the rounded x's group sums. For int4
+ * (nibble_order) each block's qx is stored evens first, then odds. */
+static void round_row(const float *x, int64_t K, int64_t G, int nibble_order, int8_t *qx, float *sx, float *xs) {
+    for (int64_t g = 0; g < K / G; g++) xs[g] = 0.0f;
+    for (int64_t b = 0; b < K; b += BLOCK) {
+        float amax = 0.0f;
+        for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(x[b + j]));
+        float scale = amax / QX_MAX, inv = amax > 0.0f ? QX_MAX / amax : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            int8_t q = (int8_t)lrintf(x[b + j] * inv);
+            int slot = nibble_order ? (j % 2) * (BLOCK / 2) + j / 2 : j;
+            qx[b + slot] = q;
+            sum += q;
+        }
+        sx[b / BLOCK] = scale;
+        xs[b / G] += scale * (float)sum;
+    }
+}
+
+/* ---- one row's dot product over all groups -------------------------------------------------------- */
+
+#ifdef __AVX2__
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 unsigned bytes times 32 signed bytes -> 8 int32 sums of 4 products each, as floats */
+static inline __m256 dot32(__m256i w_u8, __m256i x_s8) {
+    __m256i pairs = _mm256_maddubs_epi16(w_u8, x_s8);                 /* 16 x int16, |.| <= 2 * 127 * 127 */
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* The 32 weights of one block as unsigned bytes, in the order the x block was stored in. For int8 the
+ * weights' signs move onto x (vpsignb), so w stays unsigned. */
+static inline __m256 block_dot(int bits, const uint8_t *q, const int8_t *qx) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)qx);
+    if (bits == 4) {
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        __m128i v = _mm_loadu_si128((const __m128i *)q);
+        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+        return dot32(w, x);                                               /* [evens | odds] . [evens | odds] */
+    }
+    __m256i w = _mm256_loadu_si256((const __m256i *)q);
+    return dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static float row_dot(int bits, const uint8_t *qrow, const int8_t *qx, const float *sx, const float *xs,
+                     const float *s, const float *z, int64_t K, int64_t G) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t bytes_per_block = bits == 4 ? BLOCK / 2 : BLOCK;
+    float zero_term = 0.0f;
+    for (int64_t g = 0; g < K / G; g++) {
+        for (int64_t b = g * G; b < (g + 1) * G; b += 2 * BLOCK) {  /* two blocks per step: two FMA chains */
+            const uint8_t *qb = qrow + b / BLOCK * bytes_per_block;
+            acc0 = _mm256_fmadd_ps(block_dot(bits, qb, qx + b), _mm256_set1_ps(s[g] * sx[b / BLOCK]), acc0);
+            if (b + BLOCK < (g + 1) * G)
+                acc1 = _mm256_fmadd_ps(block_dot(bits, qb + bytes_per_block, qx + b + BLOCK),
+                                       _mm256_set1_ps(s[g] * sx[b / BLOCK + 1]), acc1);
+        }
+        if (z) zero_term += s[g] * z[g] * xs[g];
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1)) - zero_term;
+}
+#else
+/* The same integer sums, one weight at a time (CPUs without AVX2, or another architecture). */
+static float row_dot(int bits, const uint8_t *qrow, const int8_t *qx, const float *sx, const float *xs,
+                     const float *s, const float *z, int64_t K, int64_t G) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < K / G; g++) {
+        for (int64_t b = g * G; b < (g + 1) * G; b += BLOCK) {
+            int32_t isum = 0;
+            for (int j = 0; j < BLOCK; j++) {
+                int w;
+                if (bits == 4) {  /* qx is in nibble order: slot j < 16 is input 2j's, the rest input 2(j-16)+1's */
+                    uint8_t byte = qrow[(b + 2 * (j % (BLOCK / 2))) / 2];
+                    w = j < BLOCK / 2 ? byte & 0x0F : byte >> 4;
+                } else {
+                    w = ((const int8_t *)qrow)[b + j];
+                }
+                isum += w * qx[b + j];
+            }
+            total += s[g] * sx[b / BLOCK] * (float)isum;
+        }
+        if (z) total -= s[g] * z[g] * xs[g];
+    }
+    return total;
+}
+#endif
+
+/* ---- the entry points --------------------------------------------------------------------------- */
+
+/* y[M, N] = round(x)[M, K] @ dequantize(q)^T for bits 4 (zeros given) or 8 (zeros NULL).
+ * Returns 0, or -1 if scratch memory could not be allocated (y is then untouched). */
+int servelab_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const void *qweight,
+                          const float *scales, const float *zeros, int64_t scale_row_stride,
+                          int64_t G, int64_t N, float *y) {
+    int64_t groups = K / G, blocks = K / BLOCK, row_bytes = bits == 4 ? K / 2 : K;
+    int8_t *qx = malloc((size_t)(M * K));
+    float *sx = malloc(sizeof(float) * M * blocks), *xs = malloc(sizeof(float) * M * groups);
+    if (!qx || !sx || !xs) { free(qx); free(sx); free(xs); return -1; }
+    for (int64_t m = 0; m < M; m++)
+        round_row(x + m * K, K, G, bits == 4, qx + m * K, sx + m * blocks, xs + m * groups);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qrow = (const uint8_t *)qweight + n * row_bytes;  /* read once, reused for every m */
+        const float *s = scales + n * scale_row_stride, *z = zeros ? zeros + n * scale_row_stride : NULL;
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = row_dot(bits, qrow, qx + m * K, sx + m * blocks, xs + m * groups, s, z, K, G);
+    }
+    free(qx); free(sx); free(xs);
+    return 0;
+}
+
+/* The rounded x the kernel multiplies by, in natural order (for tests and for the oracle). */
+void servelab_round_activations(const float *x, int64_t M, int64_t K, float *out) {
+    int8_t qx[BLOCK];
+    float sx, xs;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K; b += BLOCK) {
+            round_row(x + m * K + b, BLOCK, BLOCK, 0, qx, &sx, &xs);
+            for (int j = 0; j < BLOCK; j++) out[m * K + b + j] = (float)qx[j] * sx;
+        }
+}
+
+/* w[N, K] = dequantize(q): for many rows of x a float GEMM beats the fused kernel, so the caller
+ * dequantizes once per call and hands w to torch's matmul. */
+void servelab_dequantize(int bits, const void *qweight, const float *scales, const float *zeros,
+                         int64_t scale_row_stride, int64_t G, int64_t N, int64_t K, float *w) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *s = scales + n * scale_row_stride, *z = zeros ? zeros + n * scale_row_stride : NULL;
+        for (int64_t g = 0; g < K / G; g++) {  /* one scale (and zero) per group: the inner loop vectorizes */
+            float sg = s[g], zg = z ? z[g] : 0.0f, *out = w + n * K + g * G;
+            if (bits == 8) {
+                const int8_t *q = (const int8_t *)qweight + n * K + g * G;
+                for (int64_t k = 0; k < G; k++) out[k] = (float)q[k] * sg;
+            } else {
+                const uint8_t *q = (const uint8_t *)qweight + (n * K + g * G) / 2;
+                for (int64_t j = 0; j < G / 2; j++) {
+                    out[2 * j] = ((float)(q[j] & 0x0F) - zg) * sg;
+                    out[2 * j + 1] = ((float)(q[j] >> 4) - zg) * sg;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,168 @@
+"""The "native" backend: cpu_native.c, a fused dequant-GEMV in C (AVX2 where the CPU has it), through ctypes.
+
+    y = quant_matmul(x, qw, backend="native")        # x [..., K] fp32/bf16/fp16 -> y [..., N] in x's dtype
+
+Why it exists: torch's packed int8/int4 ops (cpu_packed.py) are fast only with bf16 activations on CPUs
+with bf16 dot-product instructions. On an AVX2-only CPU they run near 2x fp32 where the bytes promise 4x
+and 8x. This kernel reads the weight's integers as they are stored (no second copy) and multiplies them
+by x rounded to int8 in blocks of 32 inputs (``round_activations``), with integer dot-product
+instructions, as llama.cpp does. Its numbers are exactly ``quant_matmul_ref(round_activations(x), qw)``
+up to the order of the float additions; the rounding of x is the one difference from the unrounded
+reference (a first try that converted every weight to a float and multiplied in fp32 was exact but
+compute-bound: 2.3 weights per cycle, a third of what the bytes allow).
+
+Rows of x: up to ``FUSED_MAX_ROWS`` go through the fused kernel (each weight row is read from memory once
+and reused from the L1 cache for every row of x). With more rows the work is a real GEMM, where a float
+matmul's blocking beats a dot-product loop: W is then dequantized once per call (in C, in parallel) and
+torch multiplies it by the same rounded x, so both paths keep one numerical contract. Measured on the
+machine this was written on (AMD EPYC, AVX2; the 210 decoder linears of SmolLM2-135M, 1 thread, ms):
+
+    rows of x                      1       4       8      16
+    fp32 F.linear                 75     165     173     175
+    int8  fused / dequant+GEMM    33/415  58/133  89/125  174/135
+    int4 g128 fused / dequant     31/59   66/98  120/128  245/145
+
+so the fused kernel runs up to 8 rows (int4 is about even there).
+
+The library is compiled on first use (about a second; kept in ~/.cache/servelab/kernels) by
+kernels/toolchain.py; ``why_native_cannot_run`` says why when it cannot be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .reference import ACTIVATION_DTYPES, QuantizedWeight, check_activations, check_quantized_weight
+
+C_FILE = Path(__file__).with_name("cpu_native.c")
+BLOCK = 32  # inputs per activation scale and per inner step of the C kernel: K and G must be multiples of it
+QX_MAX = 127  # x rounds to -127..127 per block (as in the C file)
+FUSED_MAX_ROWS = 8  # more rows than this: dequantize once, then a float GEMM (measured crossover)
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: the machine's own
+    (kernels/toolchain.py: AVX2 where the CPU has it). Tests pass plain flags to run the C fallback."""
+    from kernels.toolchain import build_c_library
+
+    lib = build_c_library(C_FILE, "quantized matmul kernel", flags)
+    lib.servelab_quant_matmul.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr]
+    lib.servelab_quant_matmul.restype = ctypes.c_int
+    lib.servelab_dequantize.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
+    lib.servelab_dequantize.restype = None
+    lib.servelab_round_activations.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.servelab_round_activations.restype = None
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    return load_library()
+
+
+@functools.cache
+def why_library_cannot_load() -> str | None:
+    """None if the C library compiles and loads here (once per process), else the reason."""
+    try:
+        _library()
+    except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded the way the kernel rounds it, in PyTorch: each block of 32
+    inputs to int8 levels of its own scale max|x| / 127, returned as fp32 [..., K] (the oracle's input)."""
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"x: last dim must be a multiple of {BLOCK}, got shape {tuple(x.shape)}")
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)  # [..., K / 32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, QX_MAX / amax, torch.zeros_like(amax))
+    q = (blocks * inv).round()  # -127..127, half to even like C's lrintf
+    return (q * (amax / QX_MAX)).reshape(x.shape)
+
+
+def round_activations_native(x: torch.Tensor) -> torch.Tensor:
+    """The same rounding done by the C library (x [M, K] in, float32 [M, K] out): tests hold it to
+    ``round_activations``."""
+    x2 = x.float().contiguous()
+    out = torch.empty_like(x2)
+    _library().servelab_round_activations(x2.data_ptr(), x2.shape[0], x2.shape[1], out.data_ptr())
+    return out
+
+
+def why_native_cannot_run(qw: QuantizedWeight, device: torch.device) -> str | None:
+    """None if the C kernel can compute this weight on ``device``, else the reason in words."""
+    n, k = qw.shape
+    if device.type != "cpu":
+        return f"the native kernel is a CPU kernel and the weight is on {device}"
+    if k % BLOCK or qw.group_size % BLOCK:
+        return (f"the native kernel works in blocks of {BLOCK} inputs: K = {k} and the group size "
+                f"{qw.group_size} must both be multiples of {BLOCK}")
+    return why_library_cannot_load()
+
+
+@dataclass
+class NativeWeight:
+    """What the C functions take for one weight, checked once (``prepare_native``): its tensors (kept
+    alive here) and their addresses, so that a call does no checking."""
+
+    qw: QuantizedWeight
+    qweight: int  # addresses of the contiguous tensors
+    scales: int
+    zeros: int | None
+    row_stride: int  # scales' elements per output row: K // G, or 0 when one per-tensor pair serves every row
+
+
+def prepare_native(qw: QuantizedWeight) -> NativeWeight:
+    """Check ``qw`` against the kernel's contract once. Raises ValueError with the reason."""
+    check_quantized_weight(qw)
+    why = why_native_cannot_run(qw, qw.qweight.device)
+    if why is not None:
+        raise ValueError(f"qw: {why}")
+    for name, t in (("qweight", qw.qweight), ("scales", qw.scales), ("zeros", qw.zeros)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"qw.{name}: the native kernel needs contiguous tensors")
+    zeros = None if qw.zeros is None else qw.zeros.data_ptr()
+    stride = 0 if qw.scales.shape[0] == 1 else qw.scales.shape[1]
+    return NativeWeight(qw, qw.qweight.data_ptr(), qw.scales.data_ptr(), zeros, stride)
+
+
+def dequantize_native(nw: NativeWeight) -> torch.Tensor:
+    """dequantize(qw) in C: float32 [N, K] (the same numbers as reference.dequantize)."""
+    n, k = nw.qw.shape
+    w = torch.empty(n, k, dtype=torch.float32)
+    _library().servelab_dequantize(nw.qw.bits, nw.qweight, nw.scales, nw.zeros, nw.row_stride,
+                                   nw.qw.group_size, n, k, w.data_ptr())
+    return w
+
+
+def quant_matmul_native(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                        prepared: NativeWeight | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: ``quant_matmul_ref(round_activations(x), qw)`` up to the order of
+    the additions. Pass ``prepared=prepare_native(qw)`` to skip the weight's checks on every call."""
+    nw = prepared if prepared is not None else prepare_native(qw)
+    n, k = qw.shape
+    if x.shape[-1] != k or x.dtype not in ACTIVATION_DTYPES or x.device.type != "cpu":
+        check_activations(x, qw)  # raises with the reason
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()  # [M, K]
+    m = x2.shape[0]
+    if m > FUSED_MAX_ROWS:  # a GEMM, where float matmul's blocking wins; x rounded all the same (one contract)
+        y = round_activations_native(x2) @ dequantize_native(nw).T  # [M, N]
+    else:
+        y = torch.empty(m, n, dtype=torch.float32)
+        if _library().servelab_quant_matmul(qw.bits, x2.data_ptr(), m, k, nw.qweight, nw.scales, nw.zeros,
+                                            nw.row_stride, qw.group_size, n, y.data_ptr()) != 0:
+            raise MemoryError(f"the native kernel could not allocate {m} x {k} bytes of scratch")
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
