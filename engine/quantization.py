@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.quant_matmul import BACKENDS, QuantizedWeight, prepare, quant_matmul, quantize, w8a8_matmul_ref
+from kernels.quant_matmul.cpu_native import native_linear
 from kernels.quant_matmul.reference import INT4_LEVELS, INT8_MAX, TINY_SCALE, int4_scale_and_zero, pack_int4
 
 GPTQ_DAMP = 0.01  # GPTQ's "percdamp": add 1% of H's mean diagonal, so H stays invertible
@@ -123,6 +124,8 @@ class QuantLinear(nn.Module):
         self._prepared = prepare(self.qw, backend) if usable else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.backend == "native" and self._prepared is not None and self.smooth is None:
+            return native_linear(x, self._prepared, self.bias)  # a decode step's hot path: no dispatch
         if self.smooth is not None:
             x = x / self.smooth.to(x.dtype)  # [..., K]
         if self.act_quant:

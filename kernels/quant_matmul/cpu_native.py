@@ -111,14 +111,14 @@ def why_native_cannot_run(qw: QuantizedWeight, device: torch.device) -> str | No
 
 @dataclass
 class NativeWeight:
-    """What the C functions take for one weight, checked once (``prepare_native``): its tensors (kept
-    alive here) and their addresses, so that a call does no checking."""
+    """What the C functions take for one weight, checked once (``prepare_native``): the weight (its tensors
+    kept alive here) and the C arguments that never change, so that a call does no checking. A decode step
+    calls some 200 of these, so the Python on the way (~10 us a call) is a share of the step worth cutting."""
 
     qw: QuantizedWeight
-    qweight: int  # addresses of the contiguous tensors
-    scales: int
-    zeros: int | None
-    row_stride: int  # scales' elements per output row: K // G, or 0 when one per-tensor pair serves every row
+    n: int
+    k: int
+    weight_args: tuple  # (qweight, scales, zeros, scale_row_stride, G, N) as C wants them, after (bits, x, M, K)
 
 
 def prepare_native(qw: QuantizedWeight) -> NativeWeight:
@@ -130,17 +130,17 @@ def prepare_native(qw: QuantizedWeight) -> NativeWeight:
     for name, t in (("qweight", qw.qweight), ("scales", qw.scales), ("zeros", qw.zeros)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"qw.{name}: the native kernel needs contiguous tensors")
+    n, k = qw.shape
     zeros = None if qw.zeros is None else qw.zeros.data_ptr()
-    stride = 0 if qw.scales.shape[0] == 1 else qw.scales.shape[1]
-    return NativeWeight(qw, qw.qweight.data_ptr(), qw.scales.data_ptr(), zeros, stride)
+    row_stride = 0 if qw.scales.shape[0] == 1 else qw.scales.shape[1]  # 0: one per-tensor pair for every row
+    return NativeWeight(qw, n, k, (qw.qweight.data_ptr(), qw.scales.data_ptr(), zeros, row_stride, qw.group_size, n))
 
 
 def dequantize_native(nw: NativeWeight) -> torch.Tensor:
     """dequantize(qw) in C: float32 [N, K] (the same numbers as reference.dequantize)."""
-    n, k = nw.qw.shape
-    w = torch.empty(n, k, dtype=torch.float32)
-    _library().servelab_dequantize(nw.qw.bits, nw.qweight, nw.scales, nw.zeros, nw.row_stride,
-                                   nw.qw.group_size, n, k, w.data_ptr())
+    w = torch.empty(nw.n, nw.k, dtype=torch.float32)
+    q, s, z, stride, g, n = nw.weight_args
+    _library().servelab_dequantize(nw.qw.bits, q, s, z, stride, g, n, nw.k, w.data_ptr())
     return w
 
 
@@ -148,21 +148,26 @@ def quant_matmul_native(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
                         prepared: NativeWeight | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype: ``quant_matmul_ref(round_activations(x), qw)`` up to the order of
     the additions. Pass ``prepared=prepare_native(qw)`` to skip the weight's checks on every call."""
-    nw = prepared if prepared is not None else prepare_native(qw)
-    n, k = qw.shape
-    if x.shape[-1] != k or x.dtype not in ACTIVATION_DTYPES or x.device.type != "cpu":
-        check_activations(x, qw)  # raises with the reason
-    x2 = x.reshape(-1, k)
+    return native_linear(x, prepared if prepared is not None else prepare_native(qw), bias)
+
+
+def native_linear(x: torch.Tensor, nw: NativeWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The hot path (QuantLinear calls it): x [..., K] -> [..., N] in x.dtype, for a prepared weight."""
+    k = nw.k
+    if x.shape[-1] != k or x.dtype not in ACTIVATION_DTYPES or not x.is_cpu:
+        check_activations(x, nw.qw)  # raises with the reason
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (each torch call costs microseconds: only those needed)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()  # [M, K]
     m = x2.shape[0]
     if m > FUSED_MAX_ROWS:  # a GEMM, where float matmul's blocking wins; x rounded all the same (one contract)
         y = round_activations_native(x2) @ dequantize_native(nw).T  # [M, N]
     else:
-        y = torch.empty(m, n, dtype=torch.float32)
-        if _library().servelab_quant_matmul(qw.bits, x2.data_ptr(), m, k, nw.qweight, nw.scales, nw.zeros,
-                                            nw.row_stride, qw.group_size, n, y.data_ptr()) != 0:
+        y = torch.empty(m, nw.n, dtype=torch.float32)
+        if _library().servelab_quant_matmul(nw.qw.bits, x2.data_ptr(), m, k, *nw.weight_args, y.data_ptr()):
             raise MemoryError(f"the native kernel could not allocate {m} x {k} bytes of scratch")
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], nw.n)
