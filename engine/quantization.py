@@ -378,13 +378,16 @@ def _gptq_model(model: nn.Module, s: QuantScheme, batches: Sequence[Tensor], bac
 
 
 def weight_bytes_breakdown(model: nn.Module) -> dict[str, int]:
-    """Bytes of the model's weights by kind: quantized linears (integers + scales + zero points),
-    float linears, embedding (counted once when the LM head is tied to it), norms and the rest."""
-    out = {"quantized linears": 0, "float linears": 0, "embedding and lm_head": 0, "norms and other": 0}
+    """Bytes of the model's weights by kind: quantized decoder linears (integers + scales + zero points),
+    a quantized LM head (``quantize_lm_head``), float linears, embedding (counted once when the LM head is
+    tied to it), norms and the rest."""
+    out = {"quantized linears": 0, "quantized lm_head": 0, "float linears": 0, "embedding and lm_head": 0,
+           "norms and other": 0}
     seen: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            tensors, kind = [t for t in module.buffers(recurse=False) if t is not None], "quantized linears"
+            kind = "quantized lm_head" if name == "lm_head" else "quantized linears"
+            tensors = [t for t in module.buffers(recurse=False) if t is not None]
             tensors += list(module.parameters(recurse=False))
         else:
             tensors = list(module.parameters(recurse=False))

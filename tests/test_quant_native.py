@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, load_model
 from engine.naive import generate_naive
-from engine.quantization import QuantLinear, quantize_lm_head, quantize_model, set_backend
+from engine.quantization import QuantLinear, quantize_lm_head, quantize_model, set_backend, weight_bytes_breakdown
 from engine.sampling import SamplingParams
 from kernels import toolchain
 from kernels.quant_matmul import cpu_native, quant_matmul, quant_matmul_ref, quantize
@@ -240,6 +240,8 @@ def test_an_int8_lm_head_reads_a_quarter_of_the_bytes_and_keeps_greedy_text():
     head = model.lm_head
     assert isinstance(head, QuantLinear) and head.bits == 8 and head.group_size == 32
     assert head.qweight.nbytes * 4 == model.embed_tokens.weight.nbytes  # the embedding stays fp32
+    parts = weight_bytes_breakdown(model)
+    assert parts["quantized lm_head"] == head.qw.nbytes() and parts["embedding and lm_head"] == head.qweight.nbytes * 4
     with torch.no_grad():
         after = model(ids)
     assert torch.equal(after[0, -1].argmax(), before[0, -1].argmax())

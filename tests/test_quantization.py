@@ -268,8 +268,9 @@ def test_real_model_q4_1_blocks_give_the_fp32_conversions_logits():
     blocks, _ = load_model("smollm2-135m-instruct", quantization="gguf")
     assert sum(isinstance(m, QuantLinear) for m in blocks.modules()) == 210 + 1
     assert (blocks.lm_head.bits, blocks.lm_head.group_size) == (8, 32) and type(blocks.embed_tokens) is nn.Embedding
-    decoder_bytes = weight_bytes_breakdown(blocks)["quantized linears"] - blocks.lm_head.qw.nbytes()
-    assert decoder_bytes * 5 < weight_bytes_breakdown(fp32)["float linears"]
+    parts = weight_bytes_breakdown(blocks)
+    assert parts["quantized linears"] * 5 < weight_bytes_breakdown(fp32)["float linears"]
+    assert parts["quantized lm_head"] == blocks.lm_head.qw.nbytes()
     ids = torch.tensor([tok.encode("The capital of France is")])
     with torch.no_grad():
         diff = (blocks(ids) - fp32(ids)).abs().max().item()

@@ -38,7 +38,7 @@ VALUE_HEADROOM = 1.35  # a quality panel's top: 35% above its highest bar, room 
 CROWDED_SCHEMES = 5  # more bars than this in a quality panel: value labels turn upright so they do not overlap
 FIGSIZE = (8.0, 4.2)
 BYTES_PER_MIB = 2**20
-KIND_COLORS = {"quantized linears": "tab:green", "float linears": "tab:blue",
+KIND_COLORS = {"quantized linears": "tab:green", "quantized lm_head": "tab:olive", "float linears": "tab:blue",
                "embedding and lm_head": "tab:orange", "norms and other": "tab:gray"}
 
 
