@@ -95,28 +95,49 @@ static inline __m256 block_dot(int bits, const uint8_t *q, const int8_t *qx) {
     return dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
+/* sum_g s[g] * z[g] * xs[g], 8 groups at a time: the zero points' share of one output. */
+static inline float zero_term(const float *s, const float *z, const float *xs, int64_t groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g)), _mm256_loadu_ps(xs + g), acc);
+    float total = hsum256(acc);
+    for (; g < groups; g++) total += s[g] * z[g] * xs[g];
+    return total;
+}
+
 /* One output. Inside a group, each block's sum is scaled by its x scale (two FMA chains, two blocks per
- * step); the group's weight scale multiplies once per group. `bits` is a constant at every call site, so
- * the compiler builds one copy of this loop for int4 and one for int8. */
+ * step); the group's weight scale multiplies once per group. With groups of one block (GGUF's Q8_0 and
+ * Q4_1) the two scales fold into one multiplier per block instead. `bits` is a constant at every call
+ * site, so the compiler builds one copy of this loop for int4 and one for int8. */
 static inline __attribute__((always_inline)) float row_dot(int bits, const uint8_t *qrow, const int8_t *qx,
         const float *sx, const float *xs, const float *s, const float *z, int64_t K, int64_t G) {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t bytes_per_block = bits == 4 ? BLOCK / 2 : BLOCK;
-    float zero_term = 0.0f;
-    for (int64_t g = 0; g < K / G; g++) {
-        __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
-        for (int64_t b = g * G; b < (g + 1) * G; b += 2 * BLOCK) {
-            const uint8_t *qb = qrow + b / BLOCK * bytes_per_block;
+    if (G == BLOCK) {
+        for (int64_t i = 0; i < K / BLOCK; i += 2) {
+            const uint8_t *qb = qrow + i * bytes_per_block;
             _mm_prefetch((const char *)qb + PREFETCH_BYTES, _MM_HINT_T0);  /* a few rows ahead: the stream never waits */
-            g0 = _mm256_fmadd_ps(block_dot(bits, qb, qx + b), _mm256_broadcast_ss(sx + b / BLOCK), g0);
-            if (b + BLOCK < (g + 1) * G)
-                g1 = _mm256_fmadd_ps(block_dot(bits, qb + bytes_per_block, qx + b + BLOCK),
-                                     _mm256_broadcast_ss(sx + b / BLOCK + 1), g1);
+            acc0 = _mm256_fmadd_ps(block_dot(bits, qb, qx + i * BLOCK), _mm256_set1_ps(s[i] * sx[i]), acc0);
+            if (i + 1 < K / BLOCK)
+                acc1 = _mm256_fmadd_ps(block_dot(bits, qb + bytes_per_block, qx + (i + 1) * BLOCK),
+                                       _mm256_set1_ps(s[i + 1] * sx[i + 1]), acc1);
         }
-        acc = _mm256_fmadd_ps(_mm256_add_ps(g0, g1), _mm256_set1_ps(s[g]), acc);
-        if (z) zero_term += s[g] * z[g] * xs[g];
+    } else {
+        for (int64_t g = 0; g < K / G; g++) {
+            __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
+            for (int64_t b = g * G; b < (g + 1) * G; b += 2 * BLOCK) {
+                const uint8_t *qb = qrow + b / BLOCK * bytes_per_block;
+                _mm_prefetch((const char *)qb + PREFETCH_BYTES, _MM_HINT_T0);
+                g0 = _mm256_fmadd_ps(block_dot(bits, qb, qx + b), _mm256_broadcast_ss(sx + b / BLOCK), g0);
+                if (b + BLOCK < (g + 1) * G)
+                    g1 = _mm256_fmadd_ps(block_dot(bits, qb + bytes_per_block, qx + b + BLOCK),
+                                         _mm256_broadcast_ss(sx + b / BLOCK + 1), g1);
+            }
+            acc0 = _mm256_fmadd_ps(_mm256_add_ps(g0, g1), _mm256_set1_ps(s[g]), acc0);
+        }
     }
-    return hsum256(acc) - zero_term;
+    return hsum256(_mm256_add_ps(acc0, acc1)) - (z ? zero_term(s, z, xs, K / G) : 0.0f);
 }
 #else
 /* The same integer sums, one weight at a time (CPUs without AVX2, or another architecture). */
