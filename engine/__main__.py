@@ -86,8 +86,14 @@ def _quantize_for_eval(model, tok, args) -> str:
     import warnings
 
     from engine.lab.tasks import training_corpus
-    from engine.quantization import (calibration_batches, get_scheme, quantize_lm_head, quantize_model, set_backend,
-                                     weight_bytes_breakdown)
+    from engine.quantization import (
+        calibration_batches,
+        get_scheme,
+        quantize_lm_head,
+        quantize_model,
+        set_backend,
+        weight_bytes_breakdown,
+    )
 
     before = sum(weight_bytes_breakdown(model).values())
     if args.quant == "gguf":

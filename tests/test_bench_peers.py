@@ -35,7 +35,7 @@ def sample_rows():
     rows = [row("servelab", "fp32", 1, 500.0, 100.0, 10.0), row("servelab", "bf16", 1, 250.0, 50.0, 20.0),
             row("servelab", "int8 packed", 1, 200.0, 80.0, 40.0), row("servelab", "int8 packed", 16, 200.0, 80.0, 30.0),
             row("servelab", "fp32", 16, 500.0, 400.0, 100.0), row("servelab", "bf16", 16, 250.0, 100.0, 10.0),
-            row("servelab", "gguf blocks packed", 1, 180.0, 60.0, 8.0),
+            row("servelab", "gguf blocks native", 1, 180.0, 60.0, 8.0),
             row("llama.cpp", "gguf file", 1, 90.0, 200.0, 32.0)]
     add_ratios(rows)
     return rows
@@ -52,7 +52,7 @@ def test_add_ratios_compare_every_row_with_servelab_at_the_same_batch():
 def test_targets_are_met_at_the_target_and_missed_below_it():
     lines = target_summary(sample_rows())
     int8 = next(t for t in lines if t.startswith("int8 packed"))
-    gguf = next(t for t in lines if t.startswith("gguf blocks packed"))
+    gguf = next(t for t in lines if t.startswith("gguf blocks native"))
     assert "2.0x our bf16" in int8 and "met" in int8 and "missed" not in int8  # 40 / 20 = exactly 2
     assert "0.4x our bf16" in gguf and "missed" in gguf  # 8 / 20 against 3x
     assert not any(t.startswith("int4-g128 packed") for t in lines)  # no such row: no line about it
@@ -76,12 +76,27 @@ def test_smaller_but_not_faster_lists_only_smaller_rows_slower_than_fp32():
 
 
 def test_token_agreement_counts_per_prompt_and_skips_a_missing_llama_cpp():
-    ours = {"packed": [[1, 2, 3], [4, 5, 6]], "torch": [[1, 2, 0], [4, 5, 6]]}
+    ours = {"native": [[1, 2, 3], [4, 5, 6]], "torch": [[1, 2, 0], [4, 5, 6]]}
     got = token_agreement(ours, [[1, 9, 3], [4, 5, 6]])
-    assert got["servelab gguf packed vs llama.cpp"] == ["1/3", "3/3"]
+    assert got["servelab gguf native vs llama.cpp"] == ["1/3", "3/3"]
     assert got["servelab gguf torch vs llama.cpp"] == ["1/3", "3/3"]
-    assert got["servelab gguf packed vs torch"] == ["2/3", "3/3"]
-    assert list(token_agreement(ours, [])) == ["servelab gguf packed vs torch"]
+    assert got["servelab gguf native vs torch"] == ["2/3", "3/3"]
+    assert list(token_agreement(ours, [])) == ["servelab gguf native vs torch"]
+
+
+def test_ratios_use_the_faster_baseline_and_the_engine_column_where_measured():
+    rows = sample_rows()[:3]  # fp32, bf16, int8 packed at batch 1
+    rows.append(row("servelab", "bf16 packed", 1, 250.0, 60.0, 25.0))  # faster than "bf16" (20): the baseline
+    for r, engine in zip(rows, (12.0, 16.0, 30.0, 24.0), strict=True):
+        r["engine_decode_tok_s"] = engine
+    rows.append(row("llama.cpp", "gguf file", 1, 90.0, 200.0, 32.0))  # a peer: no engine column
+    add_ratios(rows)
+    by = {(r["engine"], r["scheme"]): r for r in rows}
+    assert by[("servelab", "int8 packed")]["x_decode_vs_bf16"] == 1.6  # 40 / 25, not 40 / 20
+    assert by[("servelab", "int8 packed")]["x_engine_decode_vs_bf16"] == 1.25  # 30 / 24
+    assert by[("llama.cpp", "gguf file")]["engine_decode_tok_s"] is None
+    line = next(t for t in target_summary(rows) if t.startswith("int8 packed"))
+    assert "1.6x our bf16 (target >= 2x: missed); through the engine 1.25x (missed)" in line
 
 
 # ---- benchmarks/vs_vllm.py: prompts, speeds, greedy equality, the table and its targets -------------------
