@@ -15,14 +15,15 @@ Rows of x: up to ``FUSED_MAX_ROWS`` go through the fused kernel (each weight row
 and reused from the L1 cache for every row of x). With more rows the work is a real GEMM, where a float
 matmul's blocking beats a dot-product loop: W is then dequantized once per call (in C, in parallel) and
 torch multiplies it by the same rounded x, so both paths keep one numerical contract. Measured on the
-machine this was written on (AMD EPYC, AVX2; the 210 decoder linears of SmolLM2-135M, 1 thread, ms):
+machine this was written on (AMD EPYC, AVX2; the 210 decoder linears of SmolLM2-135M, so the weights
+stream from memory; 1 thread; ms, fused / dequantize + GEMM):
 
-    rows of x                      1       4       8      16
-    fp32 F.linear                 75     165     173     175
-    int8  fused / dequant+GEMM    33/415  58/133  89/125  174/135
-    int4 g128 fused / dequant     31/59   66/98  120/128  245/145
+    rows of x              1          4          8         16
+    fp32 F.linear         28         51         60         80
+    int8                 8.9 / 30  22.8 / 46  43.5 / 61  84 / 89
+    int4-g128 (64 at K=576) 9.2 / 37  30.9 / 55  57.0 / 71  112 / 96
 
-so the fused kernel runs up to 8 rows (int4 is about even there).
+so the fused kernel runs up to 8 rows; from about 16 the GEMM path wins.
 
 The library is compiled on first use (about a second; kept in ~/.cache/servelab/kernels) by
 kernels/toolchain.py; ``why_native_cannot_run`` says why when it cannot be.
