@@ -275,7 +275,11 @@ class CacheConfig:
 # oracle of every kernel test; "sdpa" computes the same thing (equal up to float rounding) through torch's
 # fused attention, a whole step's decodes in one call: on a CPU it was 1.2-1.3x the reference's offline
 # tokens/s and 2-3x its prefill tokens/s (SmolLM2-135M; benchmarks/attention_backends.py, vs_vllm.py).
-DEFAULT_ATTENTION_BACKEND = "sdpa"
+# "native" runs decode in C straight from the pools (no gather copies; kernels/paged_attention/cpu_native.c)
+# and prefill as sdpa. "auto" picks native where it can run (a CPU, a C compiler, fp32/bf16/int8 pools), else
+# sdpa, silently: either way the numbers are the reference's up to float rounding.
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "native", "triton", "cuda")
+DEFAULT_ATTENTION_BACKEND = "auto"
 
 
 @dataclass
@@ -297,8 +301,8 @@ class EngineConfig:
         check_num_threads(self.num_threads)
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
-        _require(self.attention_backend in ("torch", "sdpa", "triton", "cuda"),
-                 f"attention_backend must be one of torch, sdpa, triton, cuda; got {self.attention_backend!r}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
         _require(self.weight_layout in WEIGHT_LAYOUTS,
                  f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got {self.weight_layout!r}")
 

@@ -34,6 +34,13 @@ from kernels.paged_attention import (
     resolve_backend,
     write_kv,
 )
+from kernels.paged_attention.cpu_native import (
+    NativeDecodePlan,
+    decode_native_planned,
+    plan_decode_native,
+    why_native_cannot_run,
+)
+from kernels.paged_attention.reference import check_block_tables, first_visible_position
 from kernels.paged_attention.sdpa import (
     DecodePlan,
     PrefillPlan,
@@ -68,15 +75,16 @@ class AttentionMetadata:
     decode_seq_lens: Tensor  # [Bd] int32: cached tokens of each decode sequence, the new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_rows: Tensor | None = None  # [S] int64: rows whose logits we sample from
-    plans: StepPlans | None = None  # the sdpa backend's checked indices and masks, built at the first layer
+    plans: StepPlans | None = None  # the planned backends' checked indices and masks, built at the first layer
 
 
 @dataclass
 class StepPlans:
-    """What the sdpa backend computes once per step instead of once per layer (kernels/paged_attention/sdpa.py):
-    the decode rows' gather index and mask, one plan per prefill chunk; the slots have been checked."""
+    """What the sdpa and native backends compute once per step instead of once per layer
+    (kernels/paged_attention/sdpa.py, cpu_native.py): the decode rows' gather index and mask (sdpa) or their
+    tables made ready for C (native), one plan per prefill chunk; the slots and tables have been checked."""
 
-    decode: DecodePlan | None
+    decode: DecodePlan | NativeDecodePlan | None
     prefills: list[PrefillPlan]
 
 
@@ -84,22 +92,26 @@ class PagedAttention:
     """The attention backend: reads and writes the paged KV cache through a `PagedKVPool`.
 
     It holds no tensors of its own: the pool (engine/kv_pool.py) owns them and does the block
-    copies. `backend`: "torch" (the reference), "sdpa" (its fast batched twin), "triton" or "cuda"; falls
-    back to "torch" with a warning.
+    copies. `backend`: "torch" (the reference), "sdpa" (its fast batched twin), "native" (decode in C
+    straight from the pools, prefill as sdpa), "triton" or "cuda", or "auto": native where it can run (a
+    CPU, a C compiler, fp32/bf16/int8 pools), else sdpa. A named backend that cannot run falls back with
+    a warning ("native" to "sdpa", the others to "torch").
     """
 
     def __init__(self, kv_pool: PagedKVPool, backend: str = "torch", sliding_window: int | None = None):
         self.kv_pool = kv_pool
         self.sliding_window = sliding_window  # Mistral: each query reads at most its last W positions
         self.scale = kv_pool.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
-        self.backend = resolve_backend(backend, kv_pool.device)  # warns once here, not every layer
+        if backend == "auto":
+            backend = "native" if why_native_cannot_run(kv_pool.device, kv_pool.dtype) is None else "sdpa"
+        self.backend = resolve_backend(backend, kv_pool.device, kv_pool.dtype)  # warns once here, not per layer
         if self.backend == "cuda" and kv_pool.dtype == torch.int8:
             warnings.warn("the CUDA paged-attention kernel has no int8 variant: int8 KV runs on 'torch'",
                           RuntimeWarning, stacklevel=2)
             self.backend = "torch"
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        if self.backend == "sdpa":
+        if self.backend in ("sdpa", "native"):
             return self._forward_planned(layer, q, k, v, meta)
         q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]: the packed batch is one row
         k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]  # [NB, BS, Hkv, D]
@@ -122,7 +134,12 @@ class PagedAttention:
         k_pool, v_pool, scales = self.kv_pool.k[0], self.kv_pool.v[0], self.kv_pool.scales(0)
         check_slots(meta.slot_mapping, k_pool, v_pool, scales)
         decode = None
-        if meta.decode_rows.numel():
+        if meta.decode_rows.numel() and self.backend == "native":
+            decode = plan_decode_native(meta.decode_block_tables, meta.decode_seq_lens, self.sliding_window)
+            check_block_tables(decode.block_tables, decode.seq_lens, k_pool.shape[0], k_pool.shape[1],
+                               first_positions=None if self.sliding_window is None else
+                               first_visible_position(decode.seq_lens, self.sliding_window))
+        elif meta.decode_rows.numel():
             decode = plan_decode(meta.decode_block_tables, meta.decode_seq_lens, k_pool.shape[1], k_pool.shape[0],
                                  self.sliding_window)
         prefills = [plan_prefill(q[c.lo:c.hi], k_pool, v_pool, c.block_table, c.positions, self.scale,
@@ -130,7 +147,8 @@ class PagedAttention:
         return StepPlans(decode, prefills)
 
     def _forward_planned(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        """The sdpa backend: the same work as `forward`, with the step's checks and indices done at layer 0."""
+        """The sdpa and native backends: the same work as `forward`, with the step's checks and indices done
+        at layer 0."""
         q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]
         if meta.plans is None:
             meta.plans = self.plan(meta, q)
@@ -141,12 +159,12 @@ class PagedAttention:
         else:  # int8: quantize, then scatter
             write_kv(k, v, k_pool, v_pool, meta.slot_mapping, scales=scales)
         plans = meta.plans
+        decode = decode_native_planned if self.backend == "native" else decode_planned
         if plans.decode is not None and not plans.prefills:  # a pure decode step: no copy into `out`
-            return decode_planned(q, k_pool, v_pool, plans.decode, self.scale, scales)[None]
+            return decode(q, k_pool, v_pool, plans.decode, self.scale, scales)[None]
         out = torch.empty_like(q)  # [N, H, D]
         if plans.decode is not None:
-            out[meta.decode_rows] = decode_planned(q[meta.decode_rows], k_pool, v_pool, plans.decode, self.scale,
-                                                   scales)
+            out[meta.decode_rows] = decode(q[meta.decode_rows], k_pool, v_pool, plans.decode, self.scale, scales)
         for chunk, plan in zip(meta.prefills, plans.prefills, strict=True):
             out[chunk.lo:chunk.hi] = prefill_planned(q[chunk.lo:chunk.hi], k_pool, v_pool, plan, self.scale, scales)
         return out[None]  # [1, N, H, D]

@@ -20,6 +20,10 @@ NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a couple 
 CC_TIMEOUT_S = 120  # a C kernel compiles in about a second
 C_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11")
 AVX2_FLAGS = ("-mavx2", "-mfma")  # added where torch reports the CPU can run AVX2 (torch.backends.cpu)
+# AVX-512 VNNI's one-instruction byte dot product (vpdpbusd) on 256-bit registers, where /proc/cpuinfo lists
+# every one of these flags (AMD Zen 4, Intel Ice Lake and later); the compiler flags that enable it:
+VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 CACHE_ENV = "SERVELAB_CACHE"  # where compiled C kernels are kept (default ~/.cache/servelab)
 
 
@@ -113,11 +117,26 @@ def c_compiler() -> str | None:
 
 
 def c_flags() -> tuple[str, ...]:
-    """Flags for this machine: AVX2 and FMA where torch says the CPU has them, plain C otherwise."""
+    """Flags for this machine: AVX2 and FMA where torch says the CPU has them (and AVX-512 VNNI where the CPU
+    lists it), plain C otherwise. The flags are part of the compiled library's cache key, so a cache folder
+    that moves to another CPU never hands it a library built for instructions it lacks."""
     import torch
 
-    has_avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return C_FLAGS + (AVX2_FLAGS if has_avx2 else ())
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return C_FLAGS
+    return C_FLAGS + AVX2_FLAGS + (VNNI_FLAGS if set(VNNI_CPU_FLAGS) <= cpu_flags() else ())
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def kernel_cache_dir() -> Path:
