@@ -117,11 +117,21 @@ def test_dequantize_in_c_equals_the_reference_dequantize():
         assert torch.equal(cpu_native.dequantize_native(cpu_native.prepare_native(qw)), dequantize(qw)), (bits, g, pt)
 
 
-def test_the_plain_c_build_matches_the_reference_too(monkeypatch, tmp_path):
-    """The loops for CPUs without AVX2 (compiled here without -mavx2) meet the same oracle."""
+VNNI_HERE = set(toolchain.VNNI_CPU_FLAGS) <= toolchain.cpu_flags()
+
+
+@pytest.mark.parametrize("build", [
+    "plain C",
+    pytest.param("AVX2 without VNNI", marks=pytest.mark.skipif(
+        not VNNI_HERE, reason="on a CPU without AVX-512 VNNI the default build is this one, tested above")),
+])
+def test_the_other_builds_match_the_reference_too(build, monkeypatch, tmp_path):
+    """The loops for CPUs without AVX2 (compiled here without -mavx2), and where this CPU has VNNI (the default
+    build uses vpdpbusd) the AVX2 instructions that other CPUs run: each meets the same oracle."""
     monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
-    plain = cpu_native.load_library(flags=toolchain.C_FLAGS)
-    assert "avx2" not in " ".join(toolchain.C_FLAGS)
+    flags = toolchain.C_FLAGS if build == "plain C" else toolchain.C_FLAGS + toolchain.AVX2_FLAGS
+    assert "avx512" not in " ".join(flags) and ("avx2" in " ".join(flags)) == (build != "plain C")
+    plain = cpu_native.load_library(flags=flags)
     monkeypatch.setattr(cpu_native, "_library", lambda: plain)
     for bits, g, pt in LAYOUTS:
         w, x = make(96, 256, 3, seed=bits)
