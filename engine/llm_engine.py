@@ -47,6 +47,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_ATTENTION_BACKEND, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from engine.fused_projections import fuse_projections
 from engine.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
 from engine.packed_linear import pack_linears, use_packed
@@ -144,7 +145,7 @@ class LLMEngine:
             packed = use_packed(self.config.weight_layout, model.embed_tokens.weight.dtype, kv_pool.device)
             self.weight_layout = "packed" if packed else "linear"
             if packed:
-                model = pack_linears(model, blocks=self.num_threads)  # a copy: self.model stays as given
+                model = self._packed_copy(model)  # a copy: self.model stays as given
             return ModelRunner(model, PagedAttention(kv_pool, self.config.attention_backend, self.sliding_window))
         from engine.parallel.comm import launched_by_torchrun
         from engine.parallel.executor import ParallelExecutor, default_worker_threads
@@ -249,8 +250,13 @@ class LLMEngine:
         place, call it before the next step."""
         self.model_id = weights_id(self.config.model, self.model.config, self.model.state_dict().items())
         if self.weight_layout == "packed":
-            self.runner.model = pack_linears(self.model, blocks=self.num_threads)
+            self.runner.model = self._packed_copy(self.model)
         return self.model_id
+
+    def _packed_copy(self, model: LlamaModel) -> LlamaModel:
+        """The copy the runner computes with in the "packed" layout: q/k/v and gate/up stacked into one matrix
+        each (engine/fused_projections.py), then every nn.Linear packed for this CPU (engine/packed_linear.py)."""
+        return pack_linears(fuse_projections(model), blocks=self.num_threads)
 
     def get_request(self, request_id: str) -> Request:
         return self.requests[str(request_id)]

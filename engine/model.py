@@ -129,12 +129,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.o_bias)
+        self.qkv_proj = None  # an engine may stack q/k/v into one matrix (engine/fused_projections.py)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, T, H*D], k and v [B, T, Hkv*D]: three matmuls, or one when they are fused."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views into [B, T, (H + 2 Hkv) * D]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
         B, T, _ = x.shape  # x [B, T, E]
-        q = self.q_proj(x).view(B, T, self.H, self.D)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.Hkv, self.D)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.Hkv, self.D)  # [B, T, Hkv, D]
+        q, k, v = self.project(x)
+        q = q.view(B, T, self.H, self.D)  # [B, T, H, D]
+        k = k.view(B, T, self.Hkv, self.D)  # [B, T, Hkv, D]
+        v = v.view(B, T, self.Hkv, self.D)  # [B, T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(self.layer, q, k, v, meta)  # [B, T, H, D]
         return self.o_proj(out.reshape(B, T, self.H * self.D))  # [B, T, E]
@@ -149,9 +157,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, Fi, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(E, Fi, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(Fi, E, bias=cfg.mlp_bias)
+        self.gate_up_proj = None  # or gate and up stacked into one matrix (engine/fused_projections.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, E]
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, Fi] each
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # one matmul, [B, T, 2 Fi] split in halves
+        return self.down_proj(F.silu(gate) * up)  # [B, T, E]
 
 
 class DecoderLayer(nn.Module):

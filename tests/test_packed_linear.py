@@ -117,7 +117,8 @@ def test_engine_with_packed_weights_equals_the_naive_loop(num_threads):
     workload = mixed_workload(12, seed=3)
     engine, outputs = run_engine(model, workload, weight_layout="packed", num_threads=num_threads)
     assert engine.weight_layout == "packed"
-    assert isinstance(engine.runner.model.layers[0].mlp.gate_proj, PackedLinear)
+    assert isinstance(engine.runner.model.layers[0].mlp.gate_up_proj, PackedLinear)  # fused, then packed
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert list(outputs.values()) == naive_outputs(model, workload)
 
 
