@@ -1,11 +1,18 @@
-"""Paged attention on the CPU: the readable reference (one sequence at a time) vs the "sdpa" backend (one
-gather, one fused F.scaled_dot_product_attention), side by side in one run: decode (B sequences, one query
-each) and prefill (one sequence: a whole prompt, which takes SDPA's causal flash path, and a chunk after a
-cached prefix, which needs a mask).
+"""Paged attention on the CPU: the readable reference (one sequence at a time), the "sdpa" backend (one gather,
+one fused F.scaled_dot_product_attention) and the "native" C decode kernel (reads the pools through the block
+tables, no copy), side by side in one run: decode (B sequences, one query each) and prefill (one sequence: a
+whole prompt, which takes SDPA's causal flash path, and a chunk after a cached prefix, which needs a mask;
+"native" runs prefill as sdpa does, so it has no prefill column).
+
+Decode is timed twice. "public call": the backends' public functions, which check the tables and build
+their indices on every call. "per layer, cold": what the engine pays per layer once the step is planned
+(kernels/paged_attention/sdpa.py and cpu_native.py plan once per step), with the CPU caches flushed before
+every call by reading a buffer larger than the last-level cache, as a real decode step does when 30 layers'
+weights stream through between two attentions of the same layer.
 
 Shapes of SmolLM2-135M's attention (H = 9, Hkv = 3, D = 64), 16-token blocks, ragged lengths (each sequence
-between half the context and all of it), fp32, one torch thread, the two interleaved call by call (so a busy
-moment of a shared machine hits both); medians. Both are checked equal before timing.
+between half the context and all of it), fp32, one torch thread, the backends interleaved call by call (so a
+busy moment of a shared machine hits all); medians. All are checked equal before timing.
 
     python benchmarks/attention_backends.py [--quick] [--results-dir DIR]
 """
@@ -24,13 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
+from kernels.paged_attention.cpu_native import (  # noqa: E402
+    decode_native_planned,
+    paged_decode_attention_native,
+    plan_decode_native,
+    why_native_cannot_run,
+)
 from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
-from kernels.paged_attention.sdpa import paged_decode_attention_sdpa, paged_prefill_attention_sdpa  # noqa: E402
+from kernels.paged_attention.sdpa import (  # noqa: E402
+    decode_planned,
+    paged_decode_attention_sdpa,
+    paged_prefill_attention_sdpa,
+    plan_decode,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = [(1, 256), (16, 256), (16, 1024), (64, 256)]  # (sequences, longest context)
 PREFILL_CASES = [(0, 512), (0, 1024), (512, 1024)]  # queries at positions [start, end) of one sequence
 REPEATS, QUICK_REPEATS = 40, 8
+FLUSH_BYTES = 256 * 2**20  # read before each "cold" call: larger than any last-level cache of these machines
 
 
 def make_inputs(batch: int, context: int, seed: int = 0) -> dict:
@@ -53,30 +72,56 @@ def make_prefill_inputs(start: int, end: int, seed: int = 0) -> dict:
                 q_positions=torch.arange(start, end), scale=decode["scale"])
 
 
-def time_pair(reference, sdpa, inputs: dict, repeats: int) -> tuple[float, float]:
-    """Median ms of each, interleaved call by call, after checking they agree."""
-    torch.testing.assert_close(sdpa(**inputs), reference(**inputs), atol=1e-5, rtol=1e-5)
-    times = {"reference": [], "sdpa": []}
+def time_calls(fns: dict, repeats: int, flush: torch.Tensor | None = None) -> dict:
+    """Median ms of each zero-argument call, interleaved call by call, after checking they agree; with
+    ``flush``, the caches are emptied (by reading it) before every call, outside the timed part."""
+    outputs = [fn() for fn in fns.values()]
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], atol=1e-5, rtol=1e-5)
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in (("reference", reference), ("sdpa", sdpa)):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush.sum()
             start = time.perf_counter()
-            fn(**inputs)
+            fn()
             times[name].append(time.perf_counter() - start)
-    return tuple(1e3 * statistics.median(times[k]) for k in ("reference", "sdpa"))
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def time_case(batch: int, context: int, repeats: int) -> dict:
-    ref, sdpa = time_pair(paged_decode_attention_ref, paged_decode_attention_sdpa, make_inputs(batch, context),
-                          repeats)
-    return {"kind": "decode", "sequences": batch, "queries": f"1 each, contexts {context // 2}-{context}",
-            "reference_ms": ref, "sdpa_ms": sdpa, "x_sdpa_vs_reference": ref / sdpa}
+def time_case(batch: int, context: int, repeats: int, flush: torch.Tensor, native: bool) -> dict:
+    x = make_inputs(batch, context)
+    public = {"reference": lambda: paged_decode_attention_ref(**x), "sdpa": lambda: paged_decode_attention_sdpa(**x)}
+    sdpa_plan = plan_decode(x["block_tables"], x["seq_lens"], BLOCK, x["k_pool"].shape[0])
+    layer = {"sdpa": lambda: decode_planned(x["q"], x["k_pool"], x["v_pool"], sdpa_plan, x["scale"])}
+    if native:
+        public["native"] = lambda: paged_decode_attention_native(**x)
+        native_plan = plan_decode_native(x["block_tables"], x["seq_lens"], None)
+        layer["native"] = lambda: decode_native_planned(x["q"], x["k_pool"], x["v_pool"], native_plan, x["scale"])
+    ms, cold = time_calls(public, repeats), time_calls(layer, max(4, repeats // 4), flush)
+    row = {"kind": "decode", "sequences": batch, "queries": f"1 each, contexts {context // 2}-{context}",
+           "reference_ms": ms["reference"], "sdpa_ms": ms["sdpa"], "native_ms": ms.get("native"),
+           "x_sdpa_vs_reference": ms["reference"] / ms["sdpa"],
+           "cold_layer_sdpa_ms": cold["sdpa"], "cold_layer_native_ms": cold.get("native")}
+    row["x_native_vs_sdpa_cold_layer"] = cold["sdpa"] / cold["native"] if native else None
+    return row
 
 
 def time_prefill_case(start: int, end: int, repeats: int) -> dict:
-    ref, sdpa = time_pair(paged_prefill_attention_ref, paged_prefill_attention_sdpa,
-                          make_prefill_inputs(start, end), max(2, repeats // 4))
+    x = make_prefill_inputs(start, end)
+    ms = time_calls({"reference": lambda: paged_prefill_attention_ref(**x),
+                     "sdpa": lambda: paged_prefill_attention_sdpa(**x)}, max(2, repeats // 4))
     return {"kind": "prefill", "sequences": 1, "queries": f"positions {start}-{end - 1}",
-            "reference_ms": ref, "sdpa_ms": sdpa, "x_sdpa_vs_reference": ref / sdpa}
+            "reference_ms": ms["reference"], "sdpa_ms": ms["sdpa"], "native_ms": None,
+            "x_sdpa_vs_reference": ms["reference"] / ms["sdpa"], "cold_layer_sdpa_ms": None,
+            "cold_layer_native_ms": None, "x_native_vs_sdpa_cold_layer": None}
+
+
+def cpu_flag_summary() -> str:
+    from kernels.toolchain import c_flags, cpu_flags
+
+    return " ".join(sorted(f for f in cpu_flags() if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"))
+                    ) + f" (C kernel built with {' '.join(c_flags())})"
 
 
 def main(argv=None) -> None:
@@ -87,12 +132,21 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     repeats = QUICK_REPEATS if args.quick else REPEATS
     load_before = os.getloadavg()[0]
-    rows = [time_case(b, c, repeats) for b, c in CASES]
+    why_not = why_native_cannot_run("cpu", torch.float32)
+    if why_not is not None:
+        print(f"the native kernel cannot run here ({why_not}): its columns stay empty")
+    flush = torch.ones(FLUSH_BYTES // 4)
+    rows = [time_case(b, c, repeats, flush, why_not is None) for b, c in CASES]
     rows += [time_prefill_case(start, end, repeats) for start, end in PREFILL_CASES]
-    settings = dict(quick=args.quick, repeats=repeats, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    settings = dict(quick=args.quick, repeats=repeats, cpu_flags=cpu_flag_summary(),
+                    heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                     block_size=BLOCK, dtype="float32", torch=torch.__version__, torch_threads=1,
                     load_avg_1min_before=round(load_before, 2), load_avg_1min_after=round(os.getloadavg()[0], 2))
-    notes = ("One attention call per row (one layer), medians of interleaved calls. x > 1: sdpa is faster. "
+    notes = ("One attention call per row (one layer), medians of interleaved calls. x > 1: the second is faster. "
+             "reference/sdpa/native_ms: the public functions, which check the inputs and plan on every call; "
+             "cold_layer_*: one planned layer with the CPU caches flushed first (what the engine pays per layer, "
+             "the K/V coming from memory). Native decode reads each sequence's blocks where they lie, a token's "
+             "Hkv heads side by side, and computes in fp32 in C; "
              "Decode: sdpa gathers every table into a padded [B, L, Hkv, D] copy, zeroes the slots a sequence "
              "does not own, and runs one masked SDPA with the g = H / Hkv query heads of a KV head folded into "
              "the query axis; the reference loops over sequences and repeats K/V for GQA. Prefill of a whole "
