@@ -399,8 +399,9 @@ Decode and prefill tokens per second of SmolLM2-135M-Instruct per weight scheme,
 in Settings, the peers at batch 1 (transformers on the same converted folder, llama.cpp on the same GGUF file), on the
 same random token ids, greedy (x_*: ratios to the faster of servelab's two fp32 rows, as loaded or packed, and
 likewise bf16, at the same batch). decode_tok_s times the readable cached loop (engine/kv_cache.py) that every
-scheme shares; engine_decode_tok_s times batch-1 decode through the engine itself (LLM.generate: paged KV,
-fp32/bf16 linears packed whatever the row), the path a user runs. Every engine runs with the same number of
+scheme shares; engine_decode_tok_s times batch-1 decode through the engine itself (LLM.generate: paged KV
+read by the C decode-attention kernel, q/k/v and gate/up fused into one matmul each, fp32/bf16 linears packed,
+whatever the row), the path a user runs. Every engine runs with the same number of
 threads. At batch 1 the LM head is the largest matrix a decode step reads (SmolLM2:
 49,152 x 576, 108 MiB in fp32): int4 decoder linears alone leave it, so the native rows also read it as
 int8 (28 MiB), as llama.cpp reads the file's Q8_0 head. llama.cpp and our native kernel both multiply the
