@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
@@ -31,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
+from engine.timing import cache_flusher, interleaved_medians_ms  # noqa: E402
 from kernels.paged_attention.cpu_native import (  # noqa: E402
     decode_native_planned,
     paged_decode_attention_native,
@@ -49,7 +48,6 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = [(1, 256), (16, 256), (16, 1024), (64, 256)]  # (sequences, longest context)
 PREFILL_CASES = [(0, 512), (0, 1024), (512, 1024)]  # queries at positions [start, end) of one sequence
 REPEATS, QUICK_REPEATS = 40, 8
-FLUSH_BYTES = 256 * 2**20  # read before each "cold" call: larger than any last-level cache of these machines
 
 
 def make_inputs(batch: int, context: int, seed: int = 0) -> dict:
@@ -73,20 +71,11 @@ def make_prefill_inputs(start: int, end: int, seed: int = 0) -> dict:
 
 
 def time_calls(fns: dict, repeats: int, flush: torch.Tensor | None = None) -> dict:
-    """Median ms of each zero-argument call, interleaved call by call, after checking they agree; with
-    ``flush``, the caches are emptied (by reading it) before every call, outside the timed part."""
+    """Median ms of each zero-argument call, interleaved (engine/timing.py), after checking they agree."""
     outputs = [fn() for fn in fns.values()]
     for out in outputs[1:]:
         torch.testing.assert_close(out, outputs[0], atol=1e-5, rtol=1e-5)
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            if flush is not None:
-                flush.sum()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return interleaved_medians_ms(fns, repeats, flush)
 
 
 def time_case(batch: int, context: int, repeats: int, flush: torch.Tensor, native: bool) -> dict:
@@ -135,7 +124,7 @@ def main(argv=None) -> None:
     why_not = why_native_cannot_run("cpu", torch.float32)
     if why_not is not None:
         print(f"the native kernel cannot run here ({why_not}): its columns stay empty")
-    flush = torch.ones(FLUSH_BYTES // 4)
+    flush = cache_flusher()
     rows = [time_case(b, c, repeats, flush, why_not is None) for b, c in CASES]
     rows += [time_prefill_case(start, end, repeats) for start, end in PREFILL_CASES]
     settings = dict(quick=args.quick, repeats=repeats, cpu_flags=cpu_flag_summary(),
