@@ -13,6 +13,7 @@ import torch
 from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from torch import nn
 
+from engine import packed_linear
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, engine_config
 from engine.naive import generate_naive
@@ -26,6 +27,7 @@ from engine.packed_linear import (
 )
 from engine.quantization import QuantLinear, quantize_model
 from engine.sampling import SamplingParams
+from kernels.gemv import why_gemv_cannot_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |packed - linear| / max |linear|
 
@@ -33,8 +35,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |packed - linear|
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("blocks", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("lead", [(1,), (GEMV_MAX_ROWS,), (5,), (2, 7), (1, 1, 3)])  # column blocks, then oneDNN
-def test_packed_linear_equals_nn_linear(dtype, blocks, bias, lead):
+@pytest.mark.parametrize("lead", [(1,), (GEMV_MAX_ROWS,), (5,), (2, 7), (1, 1, 3)])  # GEMV rows, then oneDNN
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["C gemv", "torch fallback"])
+def test_packed_linear_equals_nn_linear(dtype, blocks, bias, lead, c_kernel, monkeypatch):
+    if not c_kernel:
+        monkeypatch.setattr(packed_linear, "why_gemv_cannot_run", lambda w: "no C compiler (simulated)")
     torch.manual_seed(0)
     for n_out in (12, 13):  # 13 is not divisible by 2 or 3: one block
         linear = nn.Linear(10, n_out, bias=bias).to(dtype)
@@ -49,13 +54,30 @@ def test_packed_linear_equals_nn_linear(dtype, blocks, bias, lead):
         assert (packed.onednn is not None) == onednn_available()
 
 
-def test_packed_weight_is_the_transpose_cut_into_column_blocks():
+def test_packed_weight_is_the_transpose_cut_into_column_blocks(monkeypatch):
+    """Where the C matrix-vector kernel cannot be built, fp32 decode rows use column blocks of W^T."""
+    monkeypatch.setattr(packed_linear, "why_gemv_cannot_run", lambda w: "no C compiler (simulated)")
     linear = nn.Linear(3, 4, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.arange(12.0).view(4, 3))  # W [N=4, K=3]
     packed = PackedLinear(linear, blocks=2).packed  # [P=2, K=3, N/P=2]
     assert packed.shape == (2, 3, 2) and packed.is_contiguous()
     assert torch.equal(packed[0], linear.weight[:2].t()) and torch.equal(packed[1], linear.weight[2:].t())
+
+
+@pytest.mark.skipif(why_gemv_cannot_run(torch.ones(1, 1)) is not None, reason="the C gemv kernel cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_read_the_original_weight_through_the_c_kernel(dtype):
+    linear = nn.Linear(40, 9).to(dtype)
+    packed = PackedLinear(linear, blocks=2)
+    assert packed.gemv_weight.data_ptr() == linear.weight.data_ptr() and packed.packed is None  # no copy
+    x = torch.randn(2, 40, dtype=dtype)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        got = packed(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **({} if dtype == torch.float32 else
+                                                                      dict(atol=1e-2, rtol=1e-2)))
 
 
 def test_bf16_gemv_reads_the_original_weight_and_the_gemm_runs_in_a_dtype_the_cpu_has():

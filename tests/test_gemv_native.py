@@ -1,0 +1,77 @@
+"""kernels/gemv: the C matrix-vector product equals F.linear in fp32 arithmetic, for fp32 and bf16 weights, one and
+two rows, K and N that are not multiples of the vector width or of the four rows per pass, with and without
+bias, one and two threads, in every build (this machine's, AVX2 only, plain C)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import toolchain
+from kernels.gemv import cpu_native
+from kernels.gemv.cpu_native import gemv_native, why_gemv_cannot_run
+
+pytestmark = pytest.mark.skipif(cpu_native.why_library_cannot_load() is not None,
+                                reason=f"the C kernel cannot be built here: {cpu_native.why_library_cannot_load()}")
+
+
+def oracle(x, w, b):
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k", [(4, 16), (13, 40), (1536, 576), (7, 3), (3, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_equals_linear(dtype, m, n, k, bias, threads):
+    g = torch.Generator().manual_seed(n * k + m)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = gemv_native(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    w, x = torch.randn(1000, 576), torch.randn(2, 576)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(gemv_native(x, w))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*outs)
+
+
+BUILDS = {"plain C": toolchain.C_FLAGS, "AVX2": toolchain.C_FLAGS + toolchain.AVX2_FLAGS}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_the_other_builds_equal_linear_too(build, monkeypatch, tmp_path):
+    """The AVX2 loop (8 lanes) that CPUs without AVX-512 run, and the plain-C loop, built here on purpose."""
+    if build == "AVX2" and "avx2" not in toolchain.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
+    lib = cpu_native.load_library(flags=BUILDS[build])
+    monkeypatch.setattr(cpu_native, "_library", lambda: lib)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, x, b = torch.randn(13, 45).to(dtype), torch.randn(2, 45), torch.randn(13)
+        torch.testing.assert_close(gemv_native(x, w, b), oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)
+
+
+def test_bad_rows_and_weights_are_named():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"x: expected fp32 contiguous \[1..2, 16\]"):
+        gemv_native(torch.randn(3, 16), w)
+    with pytest.raises(ValueError, match="x: expected"):
+        gemv_native(torch.randn(1, 15), w)
+    assert "fp32 and bf16" in why_gemv_cannot_run(w.half())
+    assert "contiguous" in why_gemv_cannot_run(w.t())
+    assert why_gemv_cannot_run(w) is None
