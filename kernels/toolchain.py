@@ -143,6 +143,16 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "servelab") / "kernels"
 
 
+def why_cannot_load(load) -> str | None:
+    """None if `load()` (a kernel module's compile-and-load function) succeeds, else the first line of why not:
+    no compiler, a failed compile, a library the loader refuses."""
+    try:
+        load()
+    except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
+        return str(err).splitlines()[0]
+    return None
+
+
 def build_c_library(c_file: Path, what: str, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile `c_file` into a shared library (once per source, flags and compiler: the result is cached on
     disk) and load it with ctypes. torch must be imported first so that the library's OpenMP is torch's own.

@@ -42,11 +42,9 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def why_library_cannot_load() -> str | None:
-    try:
-        _library()
-    except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
-        return str(err).splitlines()[0]
-    return None
+    from kernels.toolchain import why_cannot_load
+
+    return why_cannot_load(_library)
 
 
 def why_gemv_cannot_run(weight: torch.Tensor) -> str | None:

@@ -48,11 +48,9 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def why_library_cannot_load() -> str | None:
     """None if the C library compiles and loads here (asked once per process), else the reason."""
-    try:
-        _library()
-    except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
-        return str(err).splitlines()[0]
-    return None
+    from kernels.toolchain import why_cannot_load
+
+    return why_cannot_load(_library)
 
 
 def why_native_cannot_run(device, pool_dtype: torch.dtype | None = None) -> str | None:

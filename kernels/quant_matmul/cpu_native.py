@@ -71,11 +71,9 @@ def _library() -> ctypes.CDLL:
 @functools.cache
 def why_library_cannot_load() -> str | None:
     """None if the C library compiles and loads here (once per process), else the reason."""
-    try:
-        _library()
-    except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
-        return str(err).splitlines()[0]
-    return None
+    from kernels.toolchain import why_cannot_load
+
+    return why_cannot_load(_library)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
