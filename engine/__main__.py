@@ -329,10 +329,11 @@ def main(argv=None) -> None:
     k.set_defaults(func=cmd_kv_size)
     t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
-    t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend", "finish"],
+    t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend", "finish", "scratch"],
                    help="first: the first tinylab's recipe; lookup: the lookup curriculum; polish: a short pass "
                         "after lookup; extend: lookup continued from its step 2000; "
-                        "finish: extend continued from its step 3500 (engine/lab/training.py)")
+                        "finish: extend continued from its step 3500; scratch: all of it in one run from random "
+                        "weights (engine/lab/training.py)")
     t.add_argument("--tokens", type=int, default=None, help="training tokens (default: the recipe's)")
     t.add_argument("--recall-drills", type=int, default=None, help="extra lookups per recall document")
     t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")

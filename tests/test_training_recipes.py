@@ -68,3 +68,47 @@ def test_the_word_pointer_rule_holds_on_generated_documents():
         for _ in range(30):
             for want, got, src, start in _pointed(tok, tasks._draw(task, rng, False)):
                 assert want.strip() == got.strip() and src < start
+
+
+def _operand_lengths(text: str) -> tuple[int, int]:
+    a, b = text.removeprefix("Q: ").split("=")[0].replace("-", "+").split("+")
+    return len(a), len(b)
+
+
+def test_gen_arith_fixes_operand_lengths_and_rejects_other_lengths():
+    rng = random.Random(3)
+    for digits in [(2, 3), (3, 2), (2, 2), (3, 3)]:
+        for _ in range(20):
+            ex = tasks.gen_arith(rng, digits=digits)
+            a, b, op = ex.meta["a"], ex.meta["b"], ex.meta["op"]
+            assert sorted(_operand_lengths(ex.prompt)) == sorted(digits)
+            assert int(ex.target) == (a + b if op == "+" else a - b) >= 0
+    for bad in [(1, 3), (3, 4)]:
+        try:
+            tasks.gen_arith(rng, digits=bad)
+        except ValueError as err:
+            assert "digits" in str(err)
+        else:
+            raise AssertionError(f"digits={bad} was accepted")
+
+
+def test_unequal_arith_is_training_side_and_unequal():
+    rng = random.Random(4)
+    for _ in range(50):
+        ex = tasks.unequal_arith(rng)
+        a_len, b_len = _operand_lengths(ex.prompt)
+        assert a_len != b_len and not tasks.is_eval_document(ex.text)
+
+
+def test_arith_unequal_share_raises_the_share_of_unequal_problems():
+    tok = _tokenizer()
+
+    def unequal_share(share: float) -> float:
+        cfg = TrainConfig(mix={"arith": 1.0}, arith_unequal_share=share)
+        stream = documents(tok, cfg, seed=6, clock=[0])
+        texts = [tok.decode(next(stream)[0]) for _ in range(400)]
+        return sum(len(set(_operand_lengths(t))) == 2 for t in texts) / len(texts)
+
+    plain, raised = unequal_share(0.0), unequal_share(0.6)
+    assert 0.08 < plain < 0.28  # a uniform draw of 10..999 gives about one in six
+    assert raised > 0.6  # 0.6 forced, plus the uniform draw's own share of the rest

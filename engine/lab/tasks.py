@@ -102,9 +102,18 @@ def approx_tokens(text: str) -> int:
 # ---------------------------------------------------------------------------- arith
 
 
-def gen_arith(rng: random.Random, **kw) -> Example:
-    """Addition or subtraction of 2-3 digit numbers; subtraction keeps a >= b (no negatives)."""
-    a, b = (rng.randint(10, 999) for _ in range(2))
+ARITH_DIGITS = (2, 3)  # operands have 2 or 3 digits (10..999)
+
+
+def gen_arith(rng: random.Random, digits: tuple[int, int] | None = None, **kw) -> Example:
+    """Addition or subtraction of 2-3 digit numbers; subtraction keeps a >= b (no negatives).
+    `digits` = (digits of a, digits of b) fixes the operands' lengths (before the swap)."""
+    if digits is not None and not all(d in ARITH_DIGITS for d in digits):
+        raise ValueError(f"digits={digits} must be two of {ARITH_DIGITS}")
+    if digits is None:
+        a, b = (rng.randint(10, 999) for _ in range(2))
+    else:
+        a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1) for d in digits)
     op = rng.choice("+-")
     if op == "-" and a < b:
         a, b = b, a
@@ -368,6 +377,12 @@ def repeated_run(ex: Example, rng: random.Random) -> list[tuple[str, str]]:
     i = rng.randrange(len(facts))
     (k, v), rest = facts[i], facts[i + 1:]
     return [(f" Again: {k}=", f"{v};")] + [("", f" {k}={v};") for k, v in rest]
+
+
+def unequal_arith(rng: random.Random) -> Example:
+    """A training-side sum whose operands have different lengths (`928-83=`): the digits are not
+    aligned by position, which is what tinylab got wrong. A uniform draw gives one in six of these."""
+    return _draw("arith", rng, False, digits=rng.choice([(2, 3), (3, 2)]))
 
 
 def lookup_drill(rng: random.Random, n_facts: int) -> Example:

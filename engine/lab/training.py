@@ -73,6 +73,7 @@ class TrainConfig:
     pointer_layer: int = -1  # the layer of that head (-1: the last)
     pointer_head: int = 0  # the query head that learns to point
     pointer_words: bool = False  # also point json/refuse answer words at their copy in the prompt (`word_pointers`)
+    arith_unequal_share: float = 0.0  # share of arithmetic problems drawn with operands of different lengths
     first_step: int = 0  # a recipe that continues another run starts (and warms up) at this step
     probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
     probe_n: int = 64  # probe examples per task
@@ -121,6 +122,13 @@ RECIPES = {
         decay_steps=300, lr=2e-4, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
         probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.30, "recall": 0.40, "json": 0.20, "refuse": 0.05, "story": 0.05}),
+    "scratch": dict(  # everything above in one run from random weights, bf16 on 2 threads (the 90-minute budget)
+        bf16_autocast=True, batch_rows=4, total_tokens=8_500 * 2048, warmup_steps=100, decay_steps=1_500,
+        lr=1.5e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0, pointer_words=True, curriculum_steps=1_500,
+        curriculum_facts=(8, 40), drill_multiplier=3.0, drill_questions=16, repeat_share=0.3,
+        context_stages=((1_500, 256),), recall_questions=8, arith_unequal_share=0.4, probe_every=250,
+        probe_n=48, checkpoint_every_steps=250,
+        mix={"arith": 0.30, "recall": 0.42, "json": 0.15, "refuse": 0.05, "story": 0.08}),
 }
 
 
@@ -255,6 +263,8 @@ def documents(tok: Tokenizer, cfg: TrainConfig, seed: int, clock: list[int]):
             for ids, weights in recall_documents(tok, ex, rng, cfg, clock[0], context_at(clock[0], cfg)):
                 yield ids, weights, copy_pointers(tok, ids, weights)
         else:
+            if ex.task == "arith" and rng.random() < cfg.arith_unequal_share:
+                ex = tasks.unequal_arith(rng)
             ids, weights = encode_example(tok, ex, cfg.prompt_loss_weight)
             copies = cfg.pointer_words and ex.task in WORD_COPY_TASKS
             yield ids, weights, word_pointers(tok, ids, weights) if copies else [-1] * len(ids)
@@ -439,7 +449,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     model, tok = start_model(cfg, resume_from)
     opt = make_optimizer(model, cfg, resume_from)
     log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": [], "resumed_from_step": start_step}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()  # wall, and CPU seconds of all threads
     previous = Path(resume_from or "", "training_log.json")
     if resume_from is not None and previous.exists():  # keep the earlier parts' logs (the curve spans them)
         log["previous"] = json.loads(previous.read_text())
@@ -470,11 +480,14 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
                                      **probe(model, tok, probe_set)))
             print("probe", json.dumps(log["probe"][-1]), flush=True)
         if (step + 1) % cfg.checkpoint_every_steps == 0:
-            save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1)))
+            save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1),
+                                                     cpu_seconds=round(time.process_time() - cpu_start, 1)))
             torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
         if cfg.max_minutes and elapsed > 60 * cfg.max_minutes:
             break
     log["train_seconds"] = round(time.perf_counter() - start, 1)
+    log["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # a shared machine: wall time overstates
+    log["threads"] = torch.get_num_threads()
     save_hf_folder(model, tok, out_dir, log)
     torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
     return log
