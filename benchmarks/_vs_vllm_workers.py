@@ -90,8 +90,8 @@ def servelab_engine(job: dict):
     torch.set_num_threads(job["threads"])
     prompts = job["offline_prompts"] + [job["prefill_prompt"], job["decode_prompt"]]
     blocks = sum(-(-(len(p) + job["new_tokens"] + 1) // BLOCK_SIZE) for p in prompts)  # all at once, with room
-    llm = LLM(job["folder"], num_threads=job["threads"], max_num_seqs=job["max_num_seqs"], num_blocks=blocks,
-              block_size=BLOCK_SIZE)
+    llm = LLM(job["folder"], dtype=job["dtype"], num_threads=job["threads"], max_num_seqs=job["max_num_seqs"],
+              num_blocks=blocks, block_size=BLOCK_SIZE)
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -106,7 +106,7 @@ def transformers_engine(job: dict):
 
     torch.set_num_threads(job["threads"])
     transformers.logging.set_verbosity_error()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(job["folder"], dtype=getattr(torch, job["dtype"])).eval()
     cfg = hf.generation_config
     cfg.eos_token_id, cfg.do_sample = None, False  # never stop early, never sample
 
@@ -135,7 +135,7 @@ def vllm_engine(job: dict):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    args = dict(model=job["folder"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+    args = dict(model=job["folder"], skip_tokenizer_init=True, dtype=job["dtype"], enforce_eager=True,
                 enable_prefix_caching=False, max_model_len=job["max_model_len"],
                 max_num_seqs=job["max_num_seqs"], seed=0)
     llm = LLM(**args)

@@ -25,6 +25,8 @@ with the reason and the command that makes it.
     python benchmarks/vs_vllm.py                      # the full run (about 15 minutes on 2 cores)
     python benchmarks/vs_vllm.py --quick --results-dir /tmp/vs   # a smoke run (or VS_VLLM_QUICK=1)
     python benchmarks/vs_vllm.py --engines servelab vllm          # a subset
+    python benchmarks/vs_vllm.py --dtype bfloat16     # bf16 weights everywhere (results/vs_vllm_bfloat16.*);
+                                                      # llama.cpp reads only the F32 file, so it sits this one out
 """
 
 from __future__ import annotations
@@ -285,10 +287,13 @@ def target_verdicts(engine_speeds: dict[str, dict], skipped: dict[str, str]) -> 
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
-def make_job(cfg: dict, folder: Path, threads: int) -> dict:
+DTYPES = ("float32", "bfloat16")  # what every engine loads the weights as (the same name in torch and vLLM)
+
+
+def make_job(cfg: dict, folder: Path, threads: int, dtype: str = "float32") -> dict:
     """What every worker gets: the same token ids, the same folder, the same sizes."""
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    return dict(make_prompts(cfg, vocab), folder=str(folder), threads=threads, new_tokens=cfg["new_tokens"],
+    return dict(make_prompts(cfg, vocab), folder=str(folder), threads=threads, dtype=dtype, new_tokens=cfg["new_tokens"],
                 repeats=cfg["repeats"], offline_repeats=cfg["offline_repeats"], offline=True,
                 max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
 
@@ -331,25 +336,30 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="offline prompts (default 64; quick 8)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per prompt (default 64; quick 8)")
     parser.add_argument("--results-dir", type=Path, default=None, help="write here instead of benchmarks/results/")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="weights and compute for every engine (bfloat16: llama.cpp, F32 only here, is left out)")
     args = parser.parse_args(argv)
+    engines = [e for e in args.engines if not (args.dtype != "float32" and e == "llamacpp")]
     quick = args.quick or os.environ.get(QUICK_ENV) == "1"
     cfg, folder = dict(QUICK if quick else FULL), real_model_folder()
     cfg.update({k: v for k, v in (("prompts", args.prompts), ("new_tokens", args.new_tokens)) if v is not None})
-    job = make_job(cfg, folder, args.threads)
+    job = make_job(cfg, folder, args.threads, args.dtype)
     llama = {}
-    if "llamacpp" in args.engines:
+    if "llamacpp" in engines:
         gguf_path = f32_gguf(folder)
         job["gguf"] = str(gguf_path)
         llama = {"file": gguf_path.name, "sha256": file_sha256(gguf_path),
                  "same_weights": check_same_weights(gguf_path, folder)}
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm_"))
     started = load_average()
-    results, skipped = run_all(args.engines, job, args.threads, log_dir)
+    results, skipped = run_all(engines, job, args.threads, log_dir)
+    if "llamacpp" in args.engines and "llamacpp" not in engines:
+        skipped["llamacpp"] = f"--dtype {args.dtype}: this benchmark gives llama.cpp only an F32 GGUF file"
     engine_speeds = {e: speeds(r, cfg) for e, r in results.items()}
     equality = greedy_equality({e: r for e, r in results.items() if "failed" not in r})
     rows, verdicts = table_rows(engine_speeds, equality, args.threads), target_verdicts(engine_speeds, skipped)
     print("\n" + markdown_table(rows) + "\n" + "\n".join(f"{v['target']}: {v['verdict']}" for v in verdicts))
-    settings = dict(quick=quick, model=REAL_MODEL_LABEL, dtype="float32", greedy=True, ignore_eos=True, **cfg,
+    settings = dict(quick=quick, model=REAL_MODEL_LABEL, dtype=args.dtype, greedy=True, ignore_eos=True, **cfg,
                     offline_prompt_lengths=list(OFFLINE_PROMPT_LENGTHS),
                     offline_prompt_tokens=sum(map(len, job["offline_prompts"])), threads=args.threads,
                     max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, cpu_flags=" ".join(cpu_flags()),
@@ -361,13 +371,14 @@ def main(argv=None) -> None:
                                                       "process_wall_s", "failed")} for e, r in results.items()},
                    skipped=skipped, targets=verdicts, greedy_equality=equality, llamacpp_weights=llama,
                    logs=str(log_dir))
-    json_path, _ = write_results("vs_vllm", rows, settings, notes=notes_text(settings, details),
+    name = "vs_vllm" if args.dtype == "float32" else f"vs_vllm_{args.dtype}"
+    json_path, _ = write_results(name, rows, settings, notes=notes_text(settings, details),
                                  results_dir=args.results_dir)
     json_path.write_text(json.dumps(dict(json.loads(json_path.read_text()), details=details), indent=2) + "\n")
 
 
 NOTES = """
-servelab against vLLM's CPU build, transformers and llama.cpp on SmolLM2-135M-Instruct in fp32: every engine in
+servelab against vLLM's CPU build, transformers and llama.cpp on SmolLM2-135M-Instruct in {dtype}: every engine in
 its own process, one after another, with the same number of threads, on the same random token ids and the
 same weights (the folder servelab converts from the registry package's GGUF file; llama.cpp reads the same
 fp32 numbers as an F32 GGUF file), greedy, EOS ignored. batch-1 decode: n new tokens after a short prompt,
@@ -400,7 +411,7 @@ def notes_text(settings: dict, details: dict) -> str:
     targets = "\n".join(f"- {v['target']}: servelab {v['servelab']} vs {v['anchor']} tok/s"
                         + (f" = {v['ratio']}x" if v["ratio"] is not None else "") + f": **{v['verdict']}**"
                         for v in details["targets"])
-    return (NOTES.strip() + "\n\n"
+    return (NOTES.strip().format(dtype=settings["dtype"]) + "\n\n"
             f"Conditions: {describe_machine()['cpu']} (flags: {settings['cpu_flags'] or 'none of interest'}; torch "
             f"CPU capability {settings['torch_cpu_capability']}), {settings['threads']} thread(s) per engine; load "
             f"average (1/5/15 min) before -> after each engine: {loads}. The machine may be shared: compare "

@@ -106,7 +106,9 @@ from benchmarks.vs_vllm import (  # noqa: E402
     compare_tokens,
     engine_env,
     greedy_equality,
+    make_job,
     make_prompts,
+    notes_text,
     speeds,
     table_rows,
     target_verdicts,
@@ -204,3 +206,13 @@ def test_measure_runs_the_same_calls_on_every_engine_and_returns_their_tokens():
     assert out["tokens"]["decode"] == [[10, 11, 12, 13, 14]] and out["tokens"]["prefill"] == [[20]]
     assert out["tokens"]["offline"][4] == [5, 6, 7, 8]
     assert "offline_s" not in measure(generate, dict(job, offline=False))
+
+
+def test_a_job_carries_the_dtype_every_engine_loads_and_the_notes_name_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 100}')
+    assert make_job(FULL, tmp_path, threads=2)["dtype"] == "float32"
+    assert make_job(FULL, tmp_path, threads=2, dtype="bfloat16")["dtype"] == "bfloat16"
+    settings = {"dtype": "bfloat16", "cpu_flags": "", "torch_cpu_capability": "AVX512", "threads": 2, "quick": True}
+    details = {"engines": {}, "skipped": {"llamacpp": "--dtype bfloat16"}, "targets": []}
+    text = notes_text(settings, details)
+    assert "SmolLM2-135M-Instruct in bfloat16" in text and "llama.cpp (F32 GGUF) skipped" in text

@@ -1,0 +1,113 @@
+"""The model card's figure: what tinylab could do at each step of its training.
+
+    probe_history        the probe rows of a training log, earlier parts (chained through "previous") first
+    loss_history         (steps, losses) of the same chain
+    render_probe_curve   left: the fixed probe's exact rates per task against the step; right: the
+                         training loss; both mark where the lookup curriculum ends and the decay starts
+
+    python -m engine.viz.training runs/scratch        # writes runs/scratch/recall_curve.png
+
+The probe (`engine/lab/training.py: probe`) is teacher-forced on held-out documents that `eval` does not
+score, so its numbers track the eval table but are not it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from engine.viz._figure import fail, new_figure
+
+# probe key -> legend label (the keys `probe` writes)
+PROBE_SERIES = {
+    "recall": "recall, all lengths",
+    "recall_long": "recall, prompts of 256+ tokens",
+    "recall_6facts": "recall, 6-fact prompts",
+    "arith": "arith",
+    "json": "json (whole object exact)",
+}
+LOSS_SMOOTHING_STEPS = 50  # the loss is noisy step to step (4 rows per step): a running mean over this many
+
+
+def _chain(log: dict) -> list[dict]:
+    """The parts of a training log, oldest first (a resumed part keeps its predecessor in "previous")."""
+    parts = []
+    while log:
+        parts.append(log)
+        log = log.get("previous")
+    return parts[::-1]
+
+
+def probe_history(log: dict) -> list[dict]:
+    """Every probe row of the chain, by step; a later part's row wins where two parts probed the same step."""
+    rows = {row["step"]: row for part in _chain(log) for row in part.get("probe", [])}
+    return [rows[s] for s in sorted(rows)]
+
+
+def loss_history(log: dict) -> tuple[list[int], list[float]]:
+    """(steps, losses) of the chain; a later part's value wins where parts overlap (a resumed run)."""
+    loss = {s: v for part in _chain(log) for s, v in zip(part.get("steps", []), part.get("loss", []), strict=False)}
+    steps = sorted(loss)
+    return steps, [loss[s] for s in steps]
+
+
+def _marks(log: dict) -> list[tuple[int, str]]:
+    """Vertical lines: the end of the lookup curriculum and the start of the learning-rate decay (last part's config)."""
+    cfg, marks = log.get("config", {}), []
+    if cfg.get("curriculum_steps"):
+        marks.append((cfg["curriculum_steps"], "drills end, rows 256 -> 512"))
+    if cfg.get("decay_steps"):
+        steps = max(1, cfg["total_tokens"] // (cfg["batch_rows"] * cfg["context_tokens"]))
+        marks.append((steps - cfg["decay_steps"], "learning rate decays"))
+    return marks
+
+
+def render_probe_curve(log: dict, title: str = "tinylab during training") -> Figure:
+    """Two panels: the probe's exact rates against the step, and the running-mean training loss."""
+    history = probe_history(log)
+    if not history:
+        fail("render_probe_curve", "log", "has no probe rows (train with probe_every > 0)")
+    fig, axes = new_figure((12, 4.8), 1, 2)
+    ax, ax_loss = axes[0]
+    for key, label in PROBE_SERIES.items():
+        points = [(row["step"], row[key]) for row in history if key in row]
+        if points:
+            x, y = zip(*points, strict=True)
+            ax.plot(x, y, marker="o", markersize=3, label=label, gid=f"probe:{key}")
+    ax.set(xlabel="training step", ylabel="exact answers on the probe", ylim=(-0.02, 1.02),
+           title=f"probe: {len(history)} measurements, n = {log.get('config', {}).get('probe_n', '?')} per task")
+    steps, losses = loss_history(log)
+    k = min(LOSS_SMOOTHING_STEPS, len(losses))
+    smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+    ax_loss.plot(steps[k - 1:], smooth, color="black", gid="loss")
+    ax_loss.set(xlabel="training step", ylabel=f"training loss (mean of {k} steps)", ylim=(0, None),
+                title="loss on the supervised tokens")
+    for a in (ax, ax_loss):
+        for step, text in _marks(log):
+            a.axvline(step, color="grey", linestyle=":", linewidth=1)
+            a.annotate(text, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=8,
+                       color="grey", ha="right", va="top")
+        a.grid(alpha=0.3)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=len(PROBE_SERIES), fontsize=9)
+    fig.suptitle(title)
+    return fig
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m engine.viz.training <folder with training_log.json>")
+    folder = Path(argv[0])
+    log_path = folder / "training_log.json"
+    if not log_path.exists():
+        sys.exit(f"{log_path} does not exist: give the folder `python -m engine train-tinylab --out` wrote")
+    out = folder / "recall_curve.png"
+    render_probe_curve(json.loads(log_path.read_text())).savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
