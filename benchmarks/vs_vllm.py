@@ -293,9 +293,9 @@ DTYPES = ("float32", "bfloat16")  # what every engine loads the weights as (the 
 def make_job(cfg: dict, folder: Path, threads: int, dtype: str = "float32") -> dict:
     """What every worker gets: the same token ids, the same folder, the same sizes."""
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    return dict(make_prompts(cfg, vocab), folder=str(folder), threads=threads, dtype=dtype, new_tokens=cfg["new_tokens"],
-                repeats=cfg["repeats"], offline_repeats=cfg["offline_repeats"], offline=True,
-                max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
+    return dict(make_prompts(cfg, vocab), folder=str(folder), threads=threads, dtype=dtype,
+                new_tokens=cfg["new_tokens"], repeats=cfg["repeats"], offline_repeats=cfg["offline_repeats"],
+                offline=True, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
 
 
 def run_all(engines: list[str], job: dict, threads: int, log_dir: Path) -> tuple[dict, dict]:

@@ -56,7 +56,7 @@ def loss_history(log: dict) -> tuple[list[int], list[float]]:
 
 
 def _marks(log: dict) -> list[tuple[int, str]]:
-    """Vertical lines: the end of the lookup curriculum and the start of the learning-rate decay (last part's config)."""
+    """Vertical lines: where the lookup curriculum ends and the learning-rate decay starts (last part's config)."""
     cfg, marks = log.get("config", {}), []
     if cfg.get("curriculum_steps"):
         marks.append((cfg["curriculum_steps"], "drills end, rows 256 -> 512"))
