@@ -141,7 +141,8 @@ def cmd_train(args) -> None:
     from engine.lab.training import RECIPES, TrainConfig, train
 
     flags = {"total_tokens": args.tokens, "recall_drills": args.recall_drills, "lr": args.lr,
-             "tokenizer_path": args.tokenizer, "probe_every": args.probe_every, "max_minutes": args.max_minutes}
+             "tokenizer_path": args.tokenizer, "probe_every": args.probe_every, "max_minutes": args.max_minutes,
+             "stop_step": args.stop_step}
     cfg = TrainConfig(**{**RECIPES[args.recipe], **{k: v for k, v in flags.items() if v is not None}})
     resume = Path(args.resume_from) if args.resume_from else None
     log = train(cfg, Path(args.out), resume_from=resume, start_step=args.start_step)
@@ -340,6 +341,7 @@ def main(argv=None) -> None:
     t.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     t.add_argument("--probe-every", type=int, default=None, help="probe recall/arith/json every N steps")
     t.add_argument("--max-minutes", type=float, default=None, help="stop and save after about this many minutes")
+    t.add_argument("--stop-step", type=int, default=None, help="stop and save once this many steps are done")
     t.add_argument("--resume-from", default=None, help="continue from a folder this command saved")
     t.add_argument("--start-step", type=int, default=0, help="the step that folder was saved at")
     t.set_defaults(func=cmd_train)

@@ -112,3 +112,16 @@ def test_arith_unequal_share_raises_the_share_of_unequal_problems():
     plain, raised = unequal_share(0.0), unequal_share(0.6)
     assert 0.08 < plain < 0.28  # a uniform draw of 10..999 gives about one in six
     assert raised > 0.6  # 0.6 forced, plus the uniform draw's own share of the rest
+
+
+def test_stop_step_saves_a_folder_that_resumes_where_it_stopped(tmp_path):
+    from engine.lab.training import train
+
+    cfg = TrainConfig(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, context_tokens=64, batch_rows=2, total_tokens=64 * 2 * 12,
+                      warmup_steps=2, checkpoint_every_steps=10_000, bf16_autocast=False, stop_step=5)
+    first = train(cfg, tmp_path / "a", progress=False)
+    assert first["steps"] == [0, 1, 2, 3, 4]
+    rest = train(TrainConfig(**{**cfg.__dict__, "stop_step": 0}), tmp_path / "b", progress=False,
+                 resume_from=tmp_path / "a", start_step=5)
+    assert rest["steps"] == list(range(5, 12)) and rest["previous"]["steps"] == first["steps"]

@@ -82,6 +82,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every_steps: int = 200  # save the folder now and then, so a stopped run still leaves a model
     max_minutes: float = 0.0  # > 0: stop (and save) after about this many minutes; resume with --start-step
+    stop_step: int = 0  # > 0: stop (and save) once this many steps are done; resume with --start-step stop_step
     mix: dict = field(default_factory=lambda: dict(tasks.DEFAULT_MIX))
 
     @property
@@ -123,7 +124,7 @@ RECIPES = {
         probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.30, "recall": 0.40, "json": 0.20, "refuse": 0.05, "story": 0.05}),
     "scratch": dict(  # everything above in one run from random weights, bf16 on 2 threads (the 90-minute budget)
-        bf16_autocast=True, batch_rows=4, total_tokens=8_500 * 2048, warmup_steps=100, decay_steps=1_500,
+        bf16_autocast=True, batch_rows=4, total_tokens=11_000 * 2048, warmup_steps=100, decay_steps=1_500,
         lr=1.5e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0, pointer_words=True, curriculum_steps=1_500,
         curriculum_facts=(8, 40), drill_multiplier=3.0, drill_questions=16, repeat_share=0.3,
         context_stages=((1_500, 256),), recall_questions=8, arith_unequal_share=0.4, probe_every=250,
@@ -483,7 +484,7 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
             save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1),
                                                      cpu_seconds=round(time.process_time() - cpu_start, 1)))
             torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
-        if cfg.max_minutes and elapsed > 60 * cfg.max_minutes:
+        if (cfg.max_minutes and elapsed > 60 * cfg.max_minutes) or (cfg.stop_step and step + 1 >= cfg.stop_step):
             break
     log["train_seconds"] = round(time.perf_counter() - start, 1)
     log["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # a shared machine: wall time overstates
