@@ -42,8 +42,10 @@ from engine.quantization import (
 )
 from engine.sampling import SamplingParams
 
+# The third tinylab (trained four times longer than the second) has outlier input channels: plain W8A8 measured
+# 0.074 on it (0.019 with SmoothQuant, tested below) and per-tensor int4 0.202; the other schemes moved little.
 TINYLAB_BOUND = {"int8": 0.01, "int8-per-tensor": 0.015, "int4-g32": 0.08, "int4-g64": 0.08, "int4-g128": 0.08,
-                 "int4-per-channel": 0.1, "int4-per-tensor": 0.2, "gptq-int4-g128": 0.04, "w8a8": 0.04}
+                 "int4-per-channel": 0.1, "int4-per-tensor": 0.25, "gptq-int4-g128": 0.04, "w8a8": 0.1}
 ORACLE_BOUND = {"int8": 0.015, "int8-per-tensor": 0.025, "int4-g32": 0.2, "int4-g64": 0.2, "int4-g128": 0.2,
                 "int4-per-channel": 0.2, "int4-per-tensor": 0.3, "gptq-int4-g128": 0.15, "w8a8": 0.03}
 CAL_BATCHES, CAL_BATCH, CAL_LEN = 2, 4, 64  # 512 calibration tokens: enough for tinylab's 256..704-wide layers
@@ -137,6 +139,11 @@ def test_tinylab_greedy_text_survives_int8(tinylab):
                for p in prompts)
     print(f"int8 greedy identical on {same}/{len(prompts)} prompts")
     assert same >= 14
+
+
+def test_smoothquant_halves_w8a8_error_on_tinylab_s_outlier_channels(tinylab):
+    plain, smooth = tinylab_error(tinylab, "w8a8"), tinylab_error(tinylab, "w8a8", alpha=0.5)
+    assert smooth < 0.5 * plain, f"SmoothQuant {smooth:.4f} vs plain W8A8 {plain:.4f}"
 
 
 def test_smoothquant_tames_an_outlier_input_channel():

@@ -209,9 +209,10 @@ def test_prefix_aware_gets_more_prefix_cache_hits_than_round_robin():
 
 def test_a_prompt_a_replica_refuses_names_it_and_the_pool_keeps_serving(reference):
     bad = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[5000])  # outside the vocabulary
+    long = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # still running when the refusal comes
     with ReplicaPool("tinylab", 2, in_process=True) as pool:
         with pytest.raises(ValueError, match=r"prompts\[1\] \(on replica 1\).*stop_token_ids"):
-            pool.generate(PROMPTS[:3], [GREEDY, bad, GREEDY])
+            pool.generate(PROMPTS[:3], [long, bad, long])
         assert pool.router.outstanding == [2, 0]  # prompts[0] and [2] were aborted, not yet handed back
         outs = pool.generate(PROMPTS, GREEDY)
         assert pool.router.outstanding == [0, 0]
