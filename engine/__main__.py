@@ -333,7 +333,7 @@ def main(argv=None) -> None:
     t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend", "finish", "scratch"],
                    help="first: the first tinylab's recipe; lookup: the lookup curriculum; polish: a short pass "
                         "after lookup; extend: lookup continued from its step 2000; "
-                        "finish: extend continued from its step 3500; scratch: all of it in one run from random "
+                        "finish: extend continued from its step 3500; scratch: all of it in one recipe from random "
                         "weights (engine/lab/training.py)")
     t.add_argument("--tokens", type=int, default=None, help="training tokens (default: the recipe's)")
     t.add_argument("--recall-drills", type=int, default=None, help="extra lookups per recall document")

@@ -61,14 +61,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import WEIGHT_LAYOUTS
-from kernels.gemv import gemv_native, why_gemv_cannot_run
+from kernels.gemv import GEMV_MAX_ROWS, gemv_native, why_gemv_cannot_run
 
 # Dtypes whose CPU matmuls are faster from the packed layout (the table in the module docstring).
 PACKED_IS_FASTER = {torch.float32: True, torch.bfloat16: True, torch.float16: False}
 
 
-# Up to this many rows a matmul is a GEMV (memory-bound) and the column blocks win; above it oneDNN (table above).
-GEMV_MAX_ROWS = 2  # = kernels.gemv.GEMV_MAX_ROWS
+# Up to GEMV_MAX_ROWS (2, the C kernel's limit) a matmul is a GEMV (memory-bound): the C kernel or the column
+# blocks; above it oneDNN (table above).
 # oneDNN picks its blocked layout for a typical row count; 16 served 2..1024 rows well here (a hint of 1 did
 # not, 128 lost at 256 rows). It is a hint only: any M runs.
 ONEDNN_ROWS_HINT = 16

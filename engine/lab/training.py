@@ -124,7 +124,7 @@ RECIPES = {
         decay_steps=300, lr=2e-4, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
         probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.30, "recall": 0.40, "json": 0.20, "refuse": 0.05, "story": 0.05}),
-    "scratch": dict(  # everything above in one run from random weights, bf16 on 2 threads (the 90-minute budget)
+    "scratch": dict(  # everything above in one recipe from random weights, bf16 on 2 threads (the 90-minute budget)
         bf16_autocast=True, batch_rows=4, total_tokens=11_000 * 2048, warmup_steps=100, decay_steps=1_500,
         lr=1.5e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0, pointer_words=True, curriculum_steps=1_500,
         curriculum_facts=(8, 40), drill_multiplier=3.0, drill_questions=16, repeat_share=0.3,
