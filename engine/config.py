@@ -280,6 +280,7 @@ class CacheConfig:
 # sdpa, silently: either way the numbers are the reference's up to float rounding.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "native", "triton", "cuda")
 DEFAULT_ATTENTION_BACKEND = "auto"
+LAYER_BACKENDS = ("auto", "python")
 
 
 @dataclass
@@ -295,6 +296,9 @@ class EngineConfig:
     # How the linear layers' weights are laid out for the matmuls (engine/packed_linear.py): "linear" keeps
     # nn.Linear's [N, K]; "packed" stores [K, N] in one column block per thread; "auto" packs fp32 on a CPU.
     weight_layout: str = "auto"
+    # Decode steps of one or two sequences: "auto" runs every decoder layer in one C call where the packed model
+    # and the pools allow it (engine/native_layers.py); "python" always runs engine/model.py's layers.
+    layer_backend: str = "auto"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 
     def __post_init__(self) -> None:
@@ -305,6 +309,8 @@ class EngineConfig:
                  f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
         _require(self.weight_layout in WEIGHT_LAYOUTS,
                  f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got {self.weight_layout!r}")
+        _require(self.layer_backend in LAYER_BACKENDS,
+                 f"layer_backend must be one of {', '.join(LAYER_BACKENDS)}; got {self.layer_backend!r}")
 
 
 SCHEDULER_POLICIES = ("continuous", "static")

@@ -63,7 +63,8 @@ from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepRep
 
 
 def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = DEFAULT_ATTENTION_BACKEND,
-                  num_threads: int | None = None, weight_layout: str = "auto", **options) -> EngineConfig:
+                  num_threads: int | None = None, weight_layout: str = "auto", layer_backend: str = "auto",
+                  **options) -> EngineConfig:
     """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
     (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
     groups = (("scheduler", SchedulerConfig), ("cache", CacheConfig), ("parallel", ParallelConfig))
@@ -76,7 +77,7 @@ def engine_config(model: str = "tinylab", dtype: str = "float32", attention_back
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         picked[owner][key] = value
     return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend, num_threads=num_threads,
-                        weight_layout=weight_layout,
+                        weight_layout=weight_layout, layer_backend=layer_backend,
                         cache=CacheConfig(**picked["cache"]),
                         scheduler=SchedulerConfig(**picked["scheduler"]),
                         parallel=ParallelConfig(**picked["parallel"]))
@@ -146,7 +147,8 @@ class LLMEngine:
             self.weight_layout = "packed" if packed else "linear"
             if packed:
                 model = self._packed_copy(model)  # a copy: self.model stays as given
-            return ModelRunner(model, PagedAttention(kv_pool, self.config.attention_backend, self.sliding_window))
+            attention = PagedAttention(kv_pool, self.config.attention_backend, self.sliding_window)
+            return ModelRunner(model, attention, self.config.layer_backend)
         from engine.parallel.comm import launched_by_torchrun
         from engine.parallel.executor import ParallelExecutor, default_worker_threads
 
@@ -467,6 +469,7 @@ class LLMEngine:
                       "max_position_embeddings": cfg.max_position_embeddings},
             "dtype": self.config.dtype, "attention_backend": self.attention.backend, "num_threads": self.num_threads,
             "weight_layout": self.weight_layout,
+            "layer_backend": "native" if getattr(self.runner, "native_layers", None) else "python",
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
                       "enable_prefix_caching": self.config.cache.enable_prefix_caching,

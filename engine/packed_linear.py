@@ -40,12 +40,13 @@ both). Where it pays is a property of the machine, not of the model:
   50-117 (16-1024 rows). fp16: "auto" leaves it as nn.Linear;
 - a GPU: cuBLAS reads either layout at full speed; "auto" leaves it alone.
 
-Since then a C matrix-vector kernel (kernels/gemv) took over the decode rows where it builds, bf16 always and
-fp32 from two threads: it reads W where nn.Linear keeps it, at 29 GB/s on two cores of an AMD EPYC with
+Since then a C matrix-vector kernel (kernels/gemv) took over the decode rows where it builds, fp32 and bf16
+(on one thread too, where the column blocks had been a little faster, because the C decoder layers of
+engine/native_layers.py read W as [N, K]): it reads W where nn.Linear keeps it, at 29 GB/s on two cores of an AMD EPYC with
 AVX-512 where the column blocks reached 25, and bf16 at 1.5x torch's bf16 GEMV (so bf16 finally pays at batch 1).
 
-The cost is memory. In fp32: one oneDNN copy of every linear weight, and on one thread also the column
-blocks; in bf16: one oneDNN copy (in fp32 where the CPU lacks bf16 instructions, so twice the bf16 bytes).
+The cost is memory. In fp32: one oneDNN copy of every linear weight (and the column blocks where the C
+kernel cannot be built); in bf16: one oneDNN copy (in fp32 where the CPU lacks bf16 instructions, so twice the bf16 bytes).
 The engine packs a shallow copy of the model, so the model you passed in is untouched (it is still
 `engine.model`, the one the oracle tests and notebooks read), and while you hold it, it lives too
 (SmolLM2-135M in fp32: 0.54 GB for each copy).
@@ -88,8 +89,7 @@ def bf16_instructions() -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held twice, in the layouts of the module docstring, picked by the number of rows M:
 
-        M <= GEMV_MAX_ROWS   where our C kernel builds (kernels/gemv), bf16 weights, and fp32 ones on two or
-                             more threads: W itself, [N, K], shared with the original, streamed by the C
+        M <= GEMV_MAX_ROWS   where our C kernel builds (kernels/gemv), fp32 and bf16 weights: W itself, [N, K], shared with the original, streamed by the C
                              matrix-vector kernel in fp32 arithmetic (bf16 widened in registers: half the bytes
                              of fp32, the whole point at batch 1; fp32 on 2 threads: 29 GB/s against the bmm's 25);
                              else fp32: `packed` [P, K, N/P], P column blocks of W^T (P = `blocks` if it divides
@@ -108,9 +108,9 @@ class PackedLinear(nn.Module):
         P = blocks if N % blocks == 0 else 1
         self.in_features, self.out_features, self.blocks = K, N, P
         self.bias = None if linear.bias is None else linear.bias.detach()  # [N]
-        # fp32 on ONE thread: the column-block bmm streamed a little faster (16 vs 15 GB/s, AMD EPYC Zen 4)
-        c_gemv = why_gemv_cannot_run(weight) is None and not (weight.dtype == torch.float32 and blocks == 1)
-        self.gemv_weight = weight if c_gemv else None  # [N, K], no copy
+        # (fp32 on ONE thread, the column-block bmm streamed a little faster on an AMD EPYC Zen 4, 16 vs 15 GB/s;
+        # the C kernel is used all the same: the C decoder layers, engine/native_layers.py, need W as [N, K])
+        self.gemv_weight = weight if why_gemv_cannot_run(weight) is None else None  # [N, K], no copy
         self.gemv_bias = None if self.bias is None else self.bias.float()
         if self.gemv_weight is not None or weight.dtype == torch.bfloat16:
             self.packed, self.weight = None, weight  # [N, K], no copy (read by the C kernel or F.linear)
@@ -126,7 +126,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        if rows.shape[0] <= GEMV_MAX_ROWS and self.gemv_weight is not None:
+        if 0 < rows.shape[0] <= GEMV_MAX_ROWS and self.gemv_weight is not None:  # (no rows: F.linear below)
             y = gemv_native(rows.float().contiguous(), self.gemv_weight, self.gemv_bias).to(x.dtype)  # [M, N]
         elif rows.shape[0] > GEMV_MAX_ROWS and self.onednn is not None:
             y = torch.ops.mkldnn._linear_pointwise(rows.to(self.gemm_dtype), self.onednn, self.gemm_bias,

@@ -27,6 +27,7 @@ from torch import Tensor
 from engine.block_manager import BlockManager, BlockMove
 from engine.kv_pool import PagedKVPool
 from engine.model import LlamaModel
+from engine.native_layers import NativeLayers, native_layers_or_none
 from engine.scheduler import ScheduledWork
 from kernels.paged_attention import (
     paged_decode_attention,
@@ -209,8 +210,19 @@ class ModelRunner:
 
     The parallel executors (engine/parallel/executor.py) have the same `execute`, and spread it over ranks."""
 
-    def __init__(self, model: LlamaModel, attention: PagedAttention):
-        self.model, self.attention, self.kv_pool = model, attention, attention.kv_pool
+    def __init__(self, model: LlamaModel, attention: PagedAttention, layer_backend: str = "python"):
+        self.attention, self.kv_pool, self.layer_backend = attention, attention.kv_pool, layer_backend
+        self.model = model
+
+    @property
+    def model(self) -> LlamaModel:
+        return self._model
+
+    @model.setter
+    def model(self, model: LlamaModel) -> None:
+        """A new model (new packed weights, a pruned copy) gets new C layer descriptors, or none."""
+        self._model = model
+        self.native_layers = native_layers_or_none(model, self.attention, self.layer_backend)
 
     def execute(self, moves: list[BlockMove], work: list[ScheduledWork],
                 block_manager: BlockManager) -> tuple[dict[str, int], Tensor | None]:
@@ -220,20 +232,25 @@ class ModelRunner:
         if not work:
             return moved, None
         input_ids, positions, meta = build_batch(work, block_manager, self.kv_pool.device)
-        return moved, run_model(self.model, self.attention, input_ids, positions, meta)
+        return moved, run_model(self.model, self.attention, input_ids, positions, meta, self.native_layers)
 
 
 @torch.inference_mode()
 def run_model(model: LlamaModel, attention: PagedAttention, input_ids: Tensor, positions: Tensor,
-              meta: AttentionMetadata) -> Tensor:
+              meta: AttentionMetadata, native_layers: NativeLayers | None = None) -> Tensor:
     """The model's layers over the packed row, then norm + lm_head on the sampled rows only: [S, V].
 
     This is `LlamaModel.forward` with its last two lines applied to S rows instead of N: with
     long prefill chunks most rows never need logits, and lm_head is the widest matmul (E x V).
+    A decode step of one or two sequences runs every layer in one C call where `native_layers` is given
+    (engine/native_layers.py): the same arithmetic, without ~540 small torch ops.
     """
     x = model.embed_tokens(input_ids)  # [1, N, E]
     cos, sin = model.rope(positions, x.dtype)  # [1, N, 1, D]
-    for layer in model.layers:
-        x = layer(x, cos, sin, attention, meta)
+    if native_layers is not None and native_layers.covers(meta):
+        x = native_layers.forward(x, cos, sin, meta)
+    else:
+        for layer in model.layers:
+            x = layer(x, cos, sin, attention, meta)
     hidden = x[0, meta.sample_rows]  # [S, E]
     return model.lm_head(model.norm(hidden))  # [S, V]

@@ -65,6 +65,14 @@ static inline float vsum(vec v) {
 #endif
 
 #ifdef LANES
+/* Ask for the next pass's four rows, PREFETCH_BYTES ahead of where this pass reads (`at`: row 0 of this pass at
+ * the current k; `row_bytes`: K times the weight's size). One prefetch per row and step: the hardware
+ * prefetcher alone left bf16 weights at 6.6 GB/s on one core of an Intel Xeon (Sapphire Rapids), 10-13 with
+ * these; fp32 streamed 11 either way. */
+static inline void prefetch_next_pass(const char *at, int64_t row_bytes) {
+    for (int i = ROWS; i < 2 * ROWS; i++) _mm_prefetch(at + i * row_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
 /* Four rows of W (starting at row n) times one row of x: sums of the whole vectors of K into s[0..3];
  * returns where the tail (K not a multiple of LANES) begins. */
 static inline int64_t four_rows(int bf16, const void *w, int64_t n, const float *x, int64_t K, float *s) {
@@ -73,7 +81,7 @@ static inline int64_t four_rows(int bf16, const void *w, int64_t n, const float 
     if (bf16) {
         const uint16_t *r = (const uint16_t *)w + n * K;
         for (; k + LANES <= K; k += LANES) {
-            _mm_prefetch((const char *)(r + ROWS * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+            prefetch_next_pass((const char *)(r + k), K * 2);
             vec xv = vload(x + k);
             a0 = vfma(vload_bf16(r + k), xv, a0);
             a1 = vfma(vload_bf16(r + K + k), xv, a1);
@@ -83,7 +91,7 @@ static inline int64_t four_rows(int bf16, const void *w, int64_t n, const float 
     } else {
         const float *r = (const float *)w + n * K;
         for (; k + LANES <= K; k += LANES) {
-            _mm_prefetch((const char *)(r + ROWS * K + k) + PREFETCH_BYTES, _MM_HINT_T0);  /* the next pass's rows */
+            prefetch_next_pass((const char *)(r + k), K * 4);
             vec xv = vload(x + k);
             a0 = vfma(vload(r + k), xv, a0);
             a1 = vfma(vload(r + K + k), xv, a1);
