@@ -96,8 +96,8 @@ class NativeLayers:
         self.layers = (Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             mods = _linears(layer)
-            self.layers[i] = Layer(self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight),
-                                   *(self._linear(mods[name]) for name in LINEAR_NAMES),
+            norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
+            self.layers[i] = Layer(*norms, *(self._linear(mods[name]) for name in LINEAR_NAMES),
                                    self._ptr(pool.k[i]), self._ptr(pool.v[i]))
 
     def _ptr(self, t: Tensor | None) -> int | None:

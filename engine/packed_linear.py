@@ -42,11 +42,13 @@ both). Where it pays is a property of the machine, not of the model:
 
 Since then a C matrix-vector kernel (kernels/gemv) took over the decode rows where it builds, fp32 and bf16
 (on one thread too, where the column blocks had been a little faster, because the C decoder layers of
-engine/native_layers.py read W as [N, K]): it reads W where nn.Linear keeps it, at 29 GB/s on two cores of an AMD EPYC with
-AVX-512 where the column blocks reached 25, and bf16 at 1.5x torch's bf16 GEMV (so bf16 finally pays at batch 1).
+engine/native_layers.py read W as [N, K]): it reads W where nn.Linear keeps it, at 29 GB/s on two cores of an
+AMD EPYC with AVX-512 where the column blocks reached 25, and bf16 at 1.5x torch's bf16 GEMV (so bf16 finally
+pays at batch 1).
 
 The cost is memory. In fp32: one oneDNN copy of every linear weight (and the column blocks where the C
-kernel cannot be built); in bf16: one oneDNN copy (in fp32 where the CPU lacks bf16 instructions, so twice the bf16 bytes).
+kernel cannot be built); in bf16: one oneDNN copy (in fp32 where the CPU lacks bf16 instructions, so twice
+the bf16 bytes).
 The engine packs a shallow copy of the model, so the model you passed in is untouched (it is still
 `engine.model`, the one the oracle tests and notebooks read), and while you hold it, it lives too
 (SmolLM2-135M in fp32: 0.54 GB for each copy).
@@ -89,9 +91,10 @@ def bf16_instructions() -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held twice, in the layouts of the module docstring, picked by the number of rows M:
 
-        M <= GEMV_MAX_ROWS   where our C kernel builds (kernels/gemv), fp32 and bf16 weights: W itself, [N, K], shared with the original, streamed by the C
-                             matrix-vector kernel in fp32 arithmetic (bf16 widened in registers: half the bytes
-                             of fp32, the whole point at batch 1; fp32 on 2 threads: 29 GB/s against the bmm's 25);
+        M <= GEMV_MAX_ROWS   where our C kernel builds (kernels/gemv), fp32 and bf16 weights: W itself, [N, K],
+                             shared with the original, streamed by the C matrix-vector kernel in fp32 arithmetic
+                             (bf16 widened in registers: half the bytes of fp32, the whole point at batch 1; fp32
+                             on 2 threads: 29 GB/s against the bmm's 25);
                              else fp32: `packed` [P, K, N/P], P column blocks of W^T (P = `blocks` if it divides
                              N, else 1: then packed[0] is simply W^T [K, N]); bf16: W through F.linear
         M > GEMV_MAX_ROWS    `onednn`: oneDNN's blocked copy, in bf16 where the CPU has bf16 instructions,

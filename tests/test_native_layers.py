@@ -171,7 +171,8 @@ def test_a_new_model_in_the_runner_gets_new_descriptors():
 def test_bad_step_arguments_name_the_field():
     engine = LLMEngine(random_model(), None, engine_config(model="random"))
     native, E, D = engine.runner.native_layers, 64, 16
-    good = dict(x=torch.zeros(1, E), cos=torch.ones(1, D), sin=torch.zeros(1, D), slots=torch.zeros(1, dtype=torch.int64),
+    good = dict(x=torch.zeros(1, E), cos=torch.ones(1, D), sin=torch.zeros(1, D),
+                slots=torch.zeros(1, dtype=torch.int64),
                 block_tables=torch.zeros(1, 1, dtype=torch.int32), seq_lens=torch.ones(1, dtype=torch.int32))
     for name, bad in (("x", torch.zeros(1, E, dtype=torch.float64)), ("cos", torch.ones(2, D)),
                       ("slots", torch.zeros(1, dtype=torch.int32)), ("seq_lens", torch.ones(2, dtype=torch.int32))):
