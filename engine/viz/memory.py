@@ -122,6 +122,27 @@ def render_prefill_decode_times(rows: Sequence[Mapping]) -> Figure:
     return fig
 
 
+def render_token_time_vs_floor(ms_per_token: Mapping[str, float], floor_ms: float, title: str) -> Figure:
+    """Horizontal bars: milliseconds per decode token for each way of running the same model, against the
+    bandwidth floor (the time to stream the weights once, a dashed line). The gap between a bar and the line is
+    time spent on something other than reading weights."""
+    if not ms_per_token:
+        raise ValueError("render_token_time_vs_floor: ms_per_token is empty; measure at least one way")
+    if not floor_ms > 0:
+        raise ValueError(f"render_token_time_vs_floor: floor_ms must be > 0, got {floor_ms!r}")
+    fig, ax = _new_figure(figsize=(FIGSIZE[0], 1.2 + 0.6 * len(ms_per_token)))
+    names = list(ms_per_token)
+    bars = ax.barh(names, [ms_per_token[n] for n in names], color="tab:blue", height=0.5)
+    ax.bar_label(bars, labels=[f"{ms_per_token[n]:.1f} ms ({ms_per_token[n] / floor_ms:.1f}x the floor)"
+                               for n in names], padding=4)
+    ax.axvline(floor_ms, color="tab:red", linestyle="--", label=f"bandwidth floor {floor_ms:.1f} ms")
+    ax.set_xlim(0, 1.45 * max(max(ms_per_token.values()), floor_ms))  # room for the labels
+    ax.invert_yaxis()  # the first entry on top
+    ax.set(xlabel="ms per decode token (batch 1)", title=title)
+    ax.legend(loc="lower right")
+    return fig
+
+
 def render_roofline(roofline: MachineRoofline, points: Sequence[tuple[str, float, float]]) -> Figure:
     """A log-log roofline with measured points (label, intensity in FLOP/byte, achieved FLOP/s).
 
