@@ -50,6 +50,7 @@ from engine.config import DEFAULT_ATTENTION_BACKEND, CacheConfig, EngineConfig, 
 from engine.fused_projections import fuse_projections
 from engine.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
+from engine.native_ops import with_native_ops
 from engine.packed_linear import pack_linears, use_packed
 from engine.prefix_cache import cache_key
 from engine.prefix_cache import model_id as weights_id
@@ -257,8 +258,10 @@ class LLMEngine:
 
     def _packed_copy(self, model: LlamaModel) -> LlamaModel:
         """The copy the runner computes with in the "packed" layout: q/k/v and gate/up stacked into one matrix
-        each (engine/fused_projections.py), then every nn.Linear packed for this CPU (engine/packed_linear.py)."""
-        return pack_linears(fuse_projections(model), blocks=self.num_threads)
+        each (engine/fused_projections.py), then every nn.Linear packed for this CPU (engine/packed_linear.py), and
+        (layer_backend "auto") RMSNorm, SiLU-times-up and RoPE as fused C ops (engine/native_ops.py)."""
+        packed = pack_linears(fuse_projections(model), blocks=self.num_threads)
+        return with_native_ops(packed) if self.config.layer_backend == "auto" else packed
 
     def get_request(self, request_id: str) -> Request:
         return self.requests[str(request_id)]

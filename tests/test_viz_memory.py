@@ -18,6 +18,7 @@ from engine.viz.memory import (
     render_request_timelines,
     render_roofline,
     render_step_time_curves,
+    render_token_time_vs_floor,
     render_window_recall,
 )
 
@@ -199,3 +200,18 @@ def test_window_recall_draws_accuracy_by_length_and_the_windows():
     x, y = by_gid(fig, "recall:W=64").get_data()
     assert list(x) == [64, 256] and list(y) == [0.9, 0.1]
     assert by_gid(fig, "window:64").get_xdata()[0] == 64
+
+
+def test_token_time_bars_are_the_measurements_and_the_floor_is_a_line():
+    fig = render_token_time_vs_floor({"python layers": 40.0, "C layers": 20.0}, floor_ms=16.0, title="t")
+    ax = fig.axes[0]
+    assert [round(p.get_width(), 6) for p in ax.patches] == [40.0, 20.0]
+    assert [t.get_text() for t in ax.texts] == ["40.0 ms (2.5x the floor)", "20.0 ms (1.2x the floor)"]
+    (line,) = ax.lines
+    assert tuple(line.get_xdata()) == (16.0, 16.0)
+
+
+@pytest.mark.parametrize("bars,floor,field", [({}, 10.0, "ms_per_token"), ({"a": 1.0}, 0.0, "floor_ms")])
+def test_token_time_bad_inputs_name_the_field(bars, floor, field):
+    with pytest.raises(ValueError, match=field):
+        render_token_time_vs_floor(bars, floor, "t")
