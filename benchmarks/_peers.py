@@ -22,13 +22,14 @@ core; LLAVA_BUILD=OFF skips the multimodal library, 51 of 193 compile steps we d
         "llama-cpp-python==0.3.36"
 
 On a VM whose CPU lists AMX but does not let a process use the tiles (an Intel Xeon, Sapphire Rapids, in
-December 2026), llama.cpp's native build dies with SIGILL (exit -4) on the Q4_1 file's int8 path while F32 runs.
+December 2026), llama.cpp's native build dies with SIGILL (exit -4: `tilezero`, in ggml_backend_amx_mul_mat)
+on the Q4_1 file's int8 path while F32 runs.
 Build it for the CPU's AVX-512 without AMX instead (what the results of that machine used):
 
     CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
         -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" .peers/llamacpp/bin/pip install \
-        --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+        --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 """
 
 from __future__ import annotations
