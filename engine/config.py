@@ -296,8 +296,9 @@ class EngineConfig:
     # How the linear layers' weights are laid out for the matmuls (engine/packed_linear.py): "linear" keeps
     # nn.Linear's [N, K]; "packed" stores [K, N] in one column block per thread; "auto" packs fp32 on a CPU.
     weight_layout: str = "auto"
-    # Decode steps of one or two sequences: "auto" runs every decoder layer in one C call where the packed model
-    # and the pools allow it (engine/native_layers.py); "python" always runs engine/model.py's layers.
+    # "auto": a decode step of one or two sequences runs every decoder layer in one C call where the packed model
+    # and the pools allow it (engine/native_layers.py), and longer steps run RMSNorm, SiLU-times-up and RoPE as
+    # fused C ops (engine/native_ops.py); "python" always runs engine/model.py's PyTorch layers as written.
     layer_backend: str = "auto"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 
