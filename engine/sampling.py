@@ -268,9 +268,26 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [B, V] with B = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     eos = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
-    picked = [_sample_row(row, state, eos) for row, state in zip(logits, rows, strict=True)]
+    plain = [i for i, state in enumerate(rows) if _plain_greedy(state)]
+    # Every plain greedy row in ONE argmax over [P, V]: the same tokens as row by row (argmax keeps the first
+    # of equal maxima either way), without a copy and a call per row (a 64-sequence decode step paid ~7 ms).
+    picked: list = [None] * len(rows)
+    if plain:
+        for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist(), strict=True):
+            picked[i] = (token, None)
+    for i, (row, state) in enumerate(zip(logits, rows, strict=True)):
+        if picked[i] is None:
+            picked[i] = _sample_row(row, state, eos)
     token_ids = torch.tensor([token for token, _ in picked], dtype=torch.long, device=logits.device)
     return SamplerOutput(token_ids, [logprobs for _, logprobs in picked])
+
+
+def _plain_greedy(state: SamplingState) -> bool:
+    """Greedy with nothing that changes the logits first (no penalty, no banned EOS before min_tokens) and no
+    logprobs asked for: its token is simply the argmax of its logits row."""
+    p = state.params
+    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.logprobs is None and len(state.output_ids) >= p.min_tokens)
 
 
 class StopDecision(NamedTuple):

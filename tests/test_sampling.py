@@ -362,3 +362,25 @@ def test_every_bad_param_is_refused_with_its_name_value_and_range(field, value, 
         SamplingParams(**{field: value})
     message = str(err.value)
     assert f"{field}={value!r}" in message and allowed in message, message
+
+
+def test_plain_greedy_rows_in_one_argmax_equal_row_by_row_sampling():
+    """sample() takes every plain greedy row with one argmax over the batch; rows with penalties, logprobs or a
+    banned EOS before min_tokens go row by row. Each must pick what it would pick alone, ties included."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[1, [3, 17]] = 9.0  # a tie: the first index wins, alone or batched
+    logits[4, 2] = 20.0  # the EOS id below: banned for the min_tokens row, so it must pick another
+    states = [SamplingState(SamplingParams(temperature=0.0)),
+              SamplingState(SamplingParams(temperature=0.0)),
+              SamplingState(SamplingParams(temperature=0.0, repetition_penalty=3.0),
+                            prompt_ids=[int(logits[2].argmax())]),
+              SamplingState(SamplingParams(temperature=0.0, logprobs=2)),
+              SamplingState(SamplingParams(temperature=0.0, min_tokens=2)),
+              SamplingState(SamplingParams(temperature=0.0))]
+    batched = sample(logits, states, eos_token_ids=2)
+    alone = [sample(logits[i:i + 1], [s], eos_token_ids=2) for i, s in enumerate(states)]
+    assert batched.token_ids.tolist() == [int(a.token_ids[0]) for a in alone]
+    assert batched.token_ids[1] == 3 and batched.token_ids[4] != 2
+    assert batched.token_ids[2] != logits[2].argmax()  # the penalty row really went through the penalty
+    assert batched.logprobs[3] is not None and batched.logprobs[0] is None
