@@ -130,7 +130,7 @@ def render_token_time_vs_floor(ms_per_token: Mapping[str, float], floor_ms: floa
         raise ValueError("render_token_time_vs_floor: ms_per_token is empty; measure at least one way")
     if not floor_ms > 0:
         raise ValueError(f"render_token_time_vs_floor: floor_ms must be > 0, got {floor_ms!r}")
-    fig, ax = _new_figure(figsize=(FIGSIZE[0], 1.2 + 0.6 * len(ms_per_token)))
+    fig, ax = _new_figure(figsize=(FIGSIZE_WIDE[0], 1.6 + 0.6 * len(ms_per_token)))
     names = list(ms_per_token)
     bars = ax.barh(names, [ms_per_token[n] for n in names], color="tab:blue", height=0.5)
     ax.bar_label(bars, labels=[f"{ms_per_token[n]:.1f} ms ({ms_per_token[n] / floor_ms:.1f}x the floor)"
@@ -139,7 +139,7 @@ def render_token_time_vs_floor(ms_per_token: Mapping[str, float], floor_ms: floa
     ax.set_xlim(0, 1.45 * max(max(ms_per_token.values()), floor_ms))  # room for the labels
     ax.invert_yaxis()  # the first entry on top
     ax.set(xlabel="ms per decode token (batch 1)", title=title)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)  # below the axis: never on a bar
     return fig
 
 
