@@ -30,7 +30,7 @@ from torch import Tensor
 
 from engine.packed_linear import PackedLinear
 from engine.quantization import QuantLinear
-from kernels.decoder_layers import Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers
+from kernels.decoder_layers import LINEAR_KINDS, Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
 from kernels.gemv import GEMV_MAX_ROWS
 
@@ -110,13 +110,13 @@ class NativeLayers:
     def _linear(self, module) -> Linear:
         if isinstance(module, PackedLinear):
             w = module.gemv_weight  # [N, K] fp32 or bf16
-            kind = 1 if w.dtype == torch.bfloat16 else 0
-            return Linear(kind, module.out_features, module.in_features, self._ptr(w), self._ptr(module.gemv_bias))
+            return Linear(LINEAR_KINDS[w.dtype], module.out_features, module.in_features, self._ptr(w),
+                          self._ptr(module.gemv_bias))
         nw = module._prepared  # QuantLinear, native backend: the arguments its kernel takes
         qweight, scales, zeros, stride, group, n = nw.weight_args
         self._keep.append(nw)
         bias = None if module.bias is None else module.bias.float()
-        return Linear(nw.qw.bits, n, nw.k, qweight, self._ptr(bias), scales, zeros, stride, group)
+        return Linear(LINEAR_KINDS[nw.qw.bits], n, nw.k, qweight, self._ptr(bias), scales, zeros, stride, group)
 
     @staticmethod
     def covers(meta) -> bool:

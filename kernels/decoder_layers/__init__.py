@@ -3,6 +3,15 @@ and SwiGLU as plain loops, the matmuls and attention through the C kernels the P
 (kernels/gemv, kernels/quant_matmul, kernels/paged_attention). The oracle is engine/model.py's DecoderLayer;
 engine/native_layers.py decides when the engine uses it."""
 
-from .cpu_native import Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers, why_library_cannot_load
+from .cpu_native import (
+    LINEAR_KINDS,
+    Layer,
+    Linear,
+    ModelDims,
+    decoder_layers_native,
+    kernel_pointers,
+    why_library_cannot_load,
+)
 
-__all__ = ["Layer", "Linear", "ModelDims", "decoder_layers_native", "kernel_pointers", "why_library_cannot_load"]
+__all__ = ["LINEAR_KINDS", "Layer", "Linear", "ModelDims", "decoder_layers_native", "kernel_pointers",
+           "why_library_cannot_load"]

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
-LINEAR_KINDS = {"fp32": 0, "bf16": 1, "int4": 4, "int8": 8}  # the C file's LINEAR_* enum
+# The C file's LINEAR_* enum: a float weight by its dtype, a quantized one by its bits.
+LINEAR_KINDS = {torch.float32: 0, torch.bfloat16: 1, 4: 4, 8: 8}
 STATUS = {1: "could not allocate scratch memory", 2: "a matmul kernel failed (out of scratch memory)"}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
