@@ -13,7 +13,8 @@ from test_paged_attention import GQA, assert_close, make_paged_cache
 from test_sliding_window import windowed_cache
 
 from engine.llm_engine import LLMEngine, engine_config
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, resolve_backend
+from kernels import toolchain
+from kernels.paged_attention import cpu_native, paged_decode_attention, paged_prefill_attention, resolve_backend
 from kernels.paged_attention.cpu_native import (
     paged_decode_attention_native,
     why_library_cannot_load,
@@ -67,6 +68,42 @@ def test_native_decode_reads_int8_pools(window):
     torch.testing.assert_close(paged_decode_attention(**inputs, backend="native", scales=scales, sliding_window=window),
                                paged_decode_attention_ref(**inputs, scales=scales, sliding_window=window),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_native_decode_reads_int8_pools_in_both_versions(head_dim, threads):
+    """D = 8 takes the plain-C loop on an AVX-512 build, D = 64 the register one: both multiply by the scales."""
+    inputs, scales, _, _ = int8_cache([1, 17, 40, 100], 16, num_heads=9, num_kv_heads=3, head_dim=head_dim)
+    torch.testing.assert_close(paged_decode_attention(**inputs, backend="native", scales=scales),
+                               paged_decode_attention_ref(**inputs, scales=scales), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 1), (40, 2)])
+def test_more_query_heads_per_kv_head_than_one_work_item_takes(num_heads, num_kv_heads, threads):
+    """A work item holds at most 16 query heads (MAX_GROUP); 32 or 20 per KV head take several items."""
+    inputs, _, _ = make_paged_cache([5, 70, 33], 16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64)
+    assert_close(paged_decode_attention(**inputs, backend="native"), paged_decode_attention_ref(**inputs))
+
+
+BUILDS = {"plain C": toolchain.C_FLAGS, "AVX2": toolchain.C_FLAGS + toolchain.AVX2_FLAGS}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_other_builds_equal_the_reference_too(build, dtype, monkeypatch, tmp_path):
+    """The AVX2 version (8 lanes) that CPUs without AVX-512 run, and the plain-C loops, built here on purpose."""
+    if build == "AVX2" and "avx2" not in toolchain.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
+    lib = cpu_native.load_library(flags=BUILDS[build])
+    monkeypatch.setattr(cpu_native, "_library", lambda: lib)
+    for head_dim in (12, 64):
+        inputs, _, _ = make_paged_cache([1, 16, 45, 130], 16, num_heads=9, num_kv_heads=3, head_dim=head_dim,
+                                        dtype=dtype, seed=4)
+        assert_close(paged_decode_attention_native(**inputs), paged_decode_attention_ref(**inputs))
+    inputs, scales, _, _ = int8_cache([3, 40], 8, num_heads=4, num_kv_heads=2, head_dim=16)
+    torch.testing.assert_close(paged_decode_attention_native(**inputs, scales=scales),
+                               paged_decode_attention_ref(**inputs, scales=scales), atol=1e-5, rtol=1e-5)
 
 
 def test_one_sharp_score_and_flat_scores_both_come_out_right():

@@ -18,8 +18,15 @@
  *
  * in fp32, the reference's arithmetic (reference.py), so the result equals it up to the order of the float
  * additions. Pools hold fp32, bf16 (widened to fp32 on the fly: a bf16 is the top half of an fp32) or int8
- * with one fp32 scale per token and head (x = q * scale). The (sequence, KV head) pairs are shared between
- * threads with OpenMP (torch's own runtime, as in kernels/quant_matmul/cpu_native.c).
+ * with one fp32 scale per token and head (x = q * scale).
+ *
+ * A work item is one (sequence, KV head) pair; OpenMP (torch's own runtime, as in kernels/quant_matmul) shares
+ * the B * Hkv items between threads. Inside an item the g queries and the g output rows stay in vector
+ * registers (AVX-512 or AVX2 where the compiler was told the CPU has them), so memory traffic is K and V
+ * alone. What it cost to get there, measured on 64 sequences of ~180 tokens (SmolLM2's 9 / 3 heads of 64, bf16,
+ * one core): the first version took 4.3 ms a layer. A 64-bit division (i / g, p / BS) per head and row cost
+ * as much as the row's arithmetic, and fmaxf in the softmax kept GCC from vectorizing its exp (one libm call
+ * per score); without them, and with the queries in registers, 1.1-1.5 ms.
  *
  * Contract (checked in Python before the call, kernels/paged_attention/reference.py check_paged_inputs):
  * q and out fp32 [B, H, D] contiguous; pools [NB, BS, Hkv, D] contiguous; scales fp32 [NB, BS, Hkv] or NULL;
@@ -30,10 +37,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
-#define PREFETCH_TOKENS 8  /* tokens ahead: a few rows of [Hkv, D] ahead of the one being read */
+#define PREFETCH_TOKENS 8  /* tokens ahead of the row being read (a block of 16 tokens is 2 KiB of one head) */
+#define CACHE_LINE 64
+#define MAX_GROUP 16  /* query heads per KV head in one work item (more: several items, K and V read again) */
+#define MAX_HEAD_DIM 256  /* the register version's largest head; larger heads take the plain-C one */
 #define EXP_MIN_ARG (-87.0f)  /* e^-87 ~ 1.6e-38, still a normal float; a softmax weight below it is 0 anyway */
 
 /* e^x for x <= 0 (a softmax's x - max), written so that the compiler can vectorize a loop of it: libm's
@@ -41,7 +54,7 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
  * method: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^n put into the exponent bits.
  * Relative error about 1e-7, fp32's own rounding. */
 static inline float exp_nonpositive(float x) {
-    x = fmaxf(x, EXP_MIN_ARG);
+    x = x > EXP_MIN_ARG ? x : EXP_MIN_ARG;  /* not fmaxf: GCC does not vectorize a loop that calls it */
     float n = rintf(x * 1.44269504088896341f);  /* x / ln2, to the nearest integer */
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* x - n ln2, ln2 split in two for precision */
     float p = 1.9875691500e-4f;
@@ -57,109 +70,240 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* A token's K or V rows of all Hkv heads, [Hkv * D] contiguous in the pool, as fp32 (int8: times their
- * scales). fp32 pools are read in place; the others are widened into `row`. */
-static inline const float *load_token(int kind, const void *pool, const float *scales, int64_t slot, int64_t Hkv,
-                                      int64_t D, float *row) {
-    int64_t n = Hkv * D;
-    if (kind == KV_F32) return (const float *)pool + slot * n;
-    if (kind == KV_BF16) {
-        const uint16_t *src = (const uint16_t *)pool + slot * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) {
-            uint32_t bits = (uint32_t)src[j] << 16;
-            float f;
-            memcpy(&f, &bits, sizeof f);
-            row[j] = f;
-        }
-        return row;
-    }
-    const int8_t *src = (const int8_t *)pool + slot * n;
-    const float *s = scales + slot * Hkv;
-    for (int64_t h = 0; h < Hkv; h++) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) row[h * D + d] = (float)src[h * D + d] * s[h];
-    }
-    return row;
+/* ---- loading one head's row of one token as fp32 --------------------------------------------------------
+ * The row of KV head h at pool slot `slot` starts at element (slot * Hkv + h) * D. fp32 pools are read as
+ * they are; bf16 is widened (a bf16 is the top half of an fp32: zero-extend, shift left by 16); int8 is
+ * multiplied by its fp32 scale (one per token and head). */
+static inline float widen_bf16(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-/* The slot of position p, and a prefetch of the token PREFETCH_TOKENS ahead (the next block is anywhere). */
-static inline int64_t slot_of(const int32_t *table, int64_t p, int64_t BS) {
-    return (int64_t)table[p / BS] * BS + p % BS;
+static inline float kv_at(int kind, const void *pool, int64_t i, float s) {
+    if (kind == KV_F32) return ((const float *)pool)[i];
+    if (kind == KV_BF16) return widen_bf16(((const uint16_t *)pool)[i]);
+    return (float)((const int8_t *)pool)[i] * s;
 }
 
-/* All H query heads of one sequence. Position by position, a token's K (then V) rows of every KV head lie
- * side by side in the pool ([Hkv, D]), and the tokens of a block follow each other: we read them in that
- * order, so the memory is streamed, not hopped through. scores: scratch [H, L]; acc: scratch [H, D] + [Hkv, D]. */
-static void attend_sequence(int kind, const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
-                            const float *v_scale, const int32_t *table, int64_t first, int64_t len, int64_t H,
-                            int64_t Hkv, int64_t D, int64_t BS, float scale, float *scores, float *acc,
-                            float *out) {
-    int64_t L = len - first, g = H / Hkv, row_bytes = Hkv * D * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
-    float *row = acc + H * D;
-    for (int64_t p = first; p < len; p++) {  /* pass 1: the scores; query head i reads KV head i / g */
-        if (p + PREFETCH_TOKENS < len)
-            __builtin_prefetch((const char *)k_pool + slot_of(table, p + PREFETCH_TOKENS, BS) * row_bytes);
-        const float *k = load_token(kind, k_pool, k_scale, slot_of(table, p, BS), Hkv, D, row);
-        for (int64_t i = 0; i < H; i++) {
-            const float *qi = q + i * D, *kh = k + (i / g) * D;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; d++) s += qi[d] * kh[d];
-            scores[i * L + (p - first)] = s * scale;
-        }
-    }
-    for (int64_t i = 0; i < H; i++) {  /* the softmax of each head's row, in place */
-        float *si = scores + i * L, m = -INFINITY, sum = 0.0f;
+static inline float scale_of(int kind, const float *scales, int64_t slot, int64_t Hkv, int64_t h) {
+    return kind == KV_INT8 ? scales[slot * Hkv + h] : 1.0f;
+}
+
+/* One work item: the gc query heads q[gc, D] that read KV head h, over positions first .. len - 1 of one
+ * sequence. Two passes over the sequence's blocks, each K (then V) row read once for all gc heads:
+ *
+ *     pass 1   s[j, t] = scale * q_j . k_t          (t = p - first)
+ *     softmax  w[j, t]
+ *     pass 2   out_j = sum_t w[j, t] * v_t
+ *
+ * `Head` holds what every work item of a call shares, and the item's own sequence (table, first, len) and
+ * KV head h. */
+typedef struct {
+    int kind;
+    const void *k_pool, *v_pool;
+    const float *k_scale, *v_scale;
+    const int32_t *table;
+    int64_t first, len, h, Hkv, D, BS;
+    float scale;
+} Head;
+
+/* The cache lines of head h's row at `slot`, asked for ahead of their use. */
+static inline void prefetch_row(const Head *a, const void *pool, int64_t slot) {
+    int64_t bytes = a->kind == KV_F32 ? 4 : a->kind == KV_BF16 ? 2 : 1;
+    const char *at = (const char *)pool + (slot * a->Hkv + a->h) * a->D * bytes;
+    for (int64_t b = 0; b < a->D * bytes; b += CACHE_LINE) __builtin_prefetch(at + b);
+}
+
+/* The pool slot of every position first .. len - 1 (t = p - first), from the block table once per work item:
+ * both passes then walk a plain array (the division p / BS per row had cost as much as the row's math). */
+static void fill_slots(const Head *a, int64_t *slots) {
+    for (int64_t p = a->first; p < a->len; p++)
+        slots[p - a->first] = (int64_t)a->table[p / a->BS] * a->BS + p % a->BS;
+}
+
+/* Each query row's softmax, in place: w[j, t] = exp(s[j, t] - max_t s[j, t]) / sum_t exp(...). */
+static void softmax_rows(float *scores, int64_t rows, int64_t L) {
+    for (int64_t j = 0; j < rows; j++) {
+        float *sj = scores + j * L, m = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < L; j++) m = fmaxf(m, si[j]);
+        for (int64_t t = 0; t < L; t++) m = sj[t] > m ? sj[t] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < L; j++) { si[j] = exp_nonpositive(si[j] - m); sum += si[j]; }
+        for (int64_t t = 0; t < L; t++) { sj[t] = exp_nonpositive(sj[t] - m); sum += sj[t]; }
         float inv = 1.0f / sum;
 #pragma omp simd
-        for (int64_t j = 0; j < L; j++) si[j] *= inv;
+        for (int64_t t = 0; t < L; t++) sj[t] *= inv;
     }
-    memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t p = first; p < len; p++) {  /* pass 2: the weighted sum of V */
-        if (p + PREFETCH_TOKENS < len)
-            __builtin_prefetch((const char *)v_pool + slot_of(table, p + PREFETCH_TOKENS, BS) * row_bytes);
-        const float *v = load_token(kind, v_pool, v_scale, slot_of(table, p, BS), Hkv, D, row);
-        for (int64_t i = 0; i < H; i++) {
-            const float *vh = v + (i / g) * D;
-            float w = scores[i * L + (p - first)], *ai = acc + i * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) ai[d] += w * vh[d];
+}
+
+
+/* The plain-C version: the row widened into scratch [D], the accumulators in scratch + D [gc, D]. */
+static void attend_head_plain(const Head *a, const int64_t *slots, const float *q, int64_t gc, float *scores,
+                              float *scratch, float *out) {
+    int64_t L = a->len - a->first, D = a->D;
+    float *row = scratch, *acc = scratch + D;
+    for (int64_t t = 0; t < L; t++) {
+        if (t + PREFETCH_TOKENS < L) prefetch_row(a, a->k_pool, slots[t + PREFETCH_TOKENS]);
+        int64_t slot = slots[t], base = (slot * a->Hkv + a->h) * D;
+        float s = scale_of(a->kind, a->k_scale, slot, a->Hkv, a->h);
+        for (int64_t d = 0; d < D; d++) row[d] = kv_at(a->kind, a->k_pool, base + d, s);
+        for (int64_t j = 0; j < gc; j++) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; d++) dot += q[j * D + d] * row[d];
+            scores[j * L + t] = dot * a->scale;
         }
     }
-    memcpy(out, acc, (size_t)(H * D) * sizeof(float));
+    softmax_rows(scores, gc, L);
+    memset(acc, 0, (size_t)(gc * D) * sizeof(float));
+    for (int64_t t = 0; t < L; t++) {
+        if (t + PREFETCH_TOKENS < L) prefetch_row(a, a->v_pool, slots[t + PREFETCH_TOKENS]);
+        int64_t slot = slots[t], base = (slot * a->Hkv + a->h) * D;
+        float s = scale_of(a->kind, a->v_scale, slot, a->Hkv, a->h);
+        for (int64_t d = 0; d < D; d++) row[d] = kv_at(a->kind, a->v_pool, base + d, s);
+        for (int64_t j = 0; j < gc; j++) {
+            float w = scores[j * L + t];
+            for (int64_t d = 0; d < D; d++) acc[j * D + d] += w * row[d];
+        }
+    }
+    memcpy(out, acc, (size_t)(gc * D) * sizeof(float));
+}
+
+/* ---- the same in vector registers (AVX-512: 16 lanes, AVX2: 8), where the compiler was told the CPU has them
+ * A head row of D floats is D / LANES vectors. The gc queries (pass 1) and the gc accumulators (pass 2) stay in
+ * registers, or in L1 when they do not fit: only K and V come from memory, each row once. Row by row, the
+ * vector of q_j . k_t's partial sums is added across its lanes (one horizontal add per score). */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset1(float x) { return _mm512_set1_ps(x); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vload_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline vec vload_int8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset1(float x) { return _mm256_set1_ps(x); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vload_bf16(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vec vload_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#ifdef LANES
+#define MAX_VECS (MAX_HEAD_DIM / LANES)
+
+/* Vector c of the head row that starts at element `base`. */
+static inline vec load_vec(int kind, const void *pool, int64_t base, int64_t c, vec s) {
+    int64_t i = base + c * LANES;
+    if (kind == KV_F32) return vload((const float *)pool + i);
+    if (kind == KV_BF16) return vload_bf16((const uint16_t *)pool + i);
+    return vmul(vload_int8((const int8_t *)pool + i), s);
+}
+
+/* NV (= D / LANES) is a compile-time constant where the caller passes one, so the loops over it unroll. */
+static inline __attribute__((always_inline)) void attend_head_vec(const Head *a, const int64_t *slots,
+                                                                   const float *q, int64_t gc, float *scores,
+                                                                   float *out, int64_t NV) {
+    int64_t L = a->len - a->first, D = a->D;
+    vec qv[MAX_GROUP][MAX_VECS], kv[MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    for (int64_t j = 0; j < gc; j++)
+        for (int64_t c = 0; c < NV; c++) qv[j][c] = vload(q + j * D + c * LANES);
+    for (int64_t t = 0; t < L; t++) {  /* pass 1 */
+        if (t + PREFETCH_TOKENS < L) prefetch_row(a, a->k_pool, slots[t + PREFETCH_TOKENS]);
+        int64_t slot = slots[t], base = (slot * a->Hkv + a->h) * D;
+        vec s = vset1(scale_of(a->kind, a->k_scale, slot, a->Hkv, a->h));
+        for (int64_t c = 0; c < NV; c++) kv[c] = load_vec(a->kind, a->k_pool, base, c, s);
+        for (int64_t j = 0; j < gc; j++) {
+            vec dot = vmul(qv[j][0], kv[0]);
+            for (int64_t c = 1; c < NV; c++) dot = vfma(qv[j][c], kv[c], dot);
+            scores[j * L + t] = vsum(dot) * a->scale;
+        }
+    }
+    softmax_rows(scores, gc, L);
+    for (int64_t j = 0; j < gc; j++)
+        for (int64_t c = 0; c < NV; c++) acc[j][c] = vzero();
+    for (int64_t t = 0; t < L; t++) {  /* pass 2 */
+        if (t + PREFETCH_TOKENS < L) prefetch_row(a, a->v_pool, slots[t + PREFETCH_TOKENS]);
+        int64_t slot = slots[t], base = (slot * a->Hkv + a->h) * D;
+        vec s = vset1(scale_of(a->kind, a->v_scale, slot, a->Hkv, a->h));
+        for (int64_t c = 0; c < NV; c++) kv[c] = load_vec(a->kind, a->v_pool, base, c, s);
+        for (int64_t j = 0; j < gc; j++) {
+            vec w = vset1(scores[j * L + t]);
+            for (int64_t c = 0; c < NV; c++) acc[j][c] = vfma(w, kv[c], acc[j][c]);
+        }
+    }
+    for (int64_t j = 0; j < gc; j++)
+        for (int64_t c = 0; c < NV; c++) vstore(out + j * D + c * LANES, acc[j][c]);
+}
+#endif
+
+/* One work item, on the fastest version that takes its head size. */
+static void attend_head(const Head *a, const int64_t *slots, const float *q, int64_t gc, float *scores,
+                        float *scratch, float *out) {
+#ifdef LANES
+    if (a->D == 64) { attend_head_vec(a, slots, q, gc, scores, out, 64 / LANES); return; }  /* SmolLM2, Llama 1B */
+    if (a->D == 128) { attend_head_vec(a, slots, q, gc, scores, out, 128 / LANES); return; }  /* most Llamas */
+    if (a->D % LANES == 0 && a->D <= MAX_HEAD_DIM) { attend_head_vec(a, slots, q, gc, scores, out, a->D / LANES); return; }
+#endif
+    attend_head_plain(a, slots, q, gc, scores, scratch, out);
 }
 
 int servelab_paged_decode(int kind, const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
                           const float *v_scale, const int32_t *block_tables, int64_t table_stride,
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
                           int64_t window, float scale, float *out) {
-    int64_t max_len = 0;
+    int64_t max_len = 0, g = H / Hkv, chunks = (g + MAX_GROUP - 1) / MAX_GROUP, items = B * Hkv * chunks;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int failed = 0;
-#pragma omp parallel if (B > 1)
+#pragma omp parallel if (items > 1)
     {
-        float *scores = malloc((size_t)(H * max_len) * sizeof(float));
-        float *acc = malloc((size_t)((H + Hkv) * D) * sizeof(float));
-        if (scores == NULL || acc == NULL) {
+        float *scores = malloc((size_t)(MAX_GROUP * max_len) * sizeof(float));
+        float *scratch = malloc((size_t)((MAX_GROUP + 1) * D) * sizeof(float));
+        int64_t *slots = malloc((size_t)max_len * sizeof(int64_t));
+        if (scores == NULL || scratch == NULL || slots == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {  /* the same answer in every thread after the barrier: all or none enter the loop */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t b = 0; b < B; b++) {
-                int64_t len = seq_lens[b], first = (window > 0 && len > window) ? len - window : 0;
-                attend_sequence(kind, q + b * H * D, k_pool, v_pool, k_scale, v_scale, block_tables + b * table_stride,
-                                first, len, H, Hkv, D, BS, scale, scores, acc, out + b * H * D);
+            for (int64_t item = 0; item < items; item++) {  /* item = (sequence b, KV head h, query chunk) */
+                int64_t b = item / (Hkv * chunks), h = item / chunks % Hkv, j0 = item % chunks * MAX_GROUP;
+                int64_t len = seq_lens[b], gc = g - j0 < MAX_GROUP ? g - j0 : MAX_GROUP;
+                Head a = {kind, k_pool, v_pool, k_scale, v_scale, block_tables + b * table_stride,
+                          (window > 0 && len > window) ? len - window : 0, len, h, Hkv, D, BS, scale};
+                int64_t row = (b * H + h * g + j0) * D;  /* query head h * g + j0 of sequence b */
+                fill_slots(&a, slots);
+                attend_head(&a, slots, q + row, gc, scores, scratch, out + row);
             }
         }
         free(scores);
-        free(acc);
+        free(scratch);
+        free(slots);
     }
     return failed;
 }

@@ -34,15 +34,20 @@ NO_WINDOW = 0  # the C kernel's "every position is visible"
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
+def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
     from kernels.toolchain import build_c_library
 
-    lib = build_c_library(C_FILE, "paged decode attention kernel")
+    lib = build_c_library(C_FILE, "paged decode attention kernel", flags)
     lib.servelab_paged_decode.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                           _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
     lib.servelab_paged_decode.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    return load_library()
 
 
 @functools.cache
