@@ -399,7 +399,8 @@ class LLMEngine:
             for req in (w.request, *w.request.pending_forks):
                 owners.append(req)
                 rows.append(row)
-        out = sample(logits[rows].float(), [r.sampling for r in owners], self.eos)
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]  # [len(owners), V]
+        out = sample(picked, [r.sampling for r in owners], self.eos)  # model dtype: plain greedy rows need no copy
         time_s.sample = time.perf_counter() - t1
         n_prefill = sum(w.end - w.start for w in sched.work if w.phase == "prefill")
         n_all = sum(w.end - w.start for w in sched.work)

@@ -9,7 +9,13 @@ from engine_fixtures import mixed_workload, naive_outputs, random_model, run_eng
 
 from engine.model import RMSNorm, apply_rope
 from engine.native_ops import NativeAttention, NativeMLP, NativeRMSNorm
-from kernels.layer_ops import rms_norm_native, rope_native_, silu_mul_native, why_layer_ops_cannot_run
+from kernels.layer_ops import (
+    argmax_rows_native,
+    rms_norm_native,
+    rope_native_,
+    silu_mul_native,
+    why_layer_ops_cannot_run,
+)
 
 pytestmark = pytest.mark.skipif(why_layer_ops_cannot_run(torch.zeros(1)) is not None,
                                 reason=f"no C layer ops here: {why_layer_ops_cannot_run(torch.zeros(1))}")
@@ -91,3 +97,28 @@ def test_the_engine_uses_them_and_equals_the_naive_loop(layer_backend):
     assert isinstance(layer.mlp, NativeMLP) == uses_c and isinstance(layer.self_attn, NativeAttention) == uses_c
     assert type(model.layers[0].input_layernorm) is RMSNorm  # the model passed in keeps its PyTorch modules
     assert list(outputs.values()) == naive_outputs(model, workload)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 63, 64, 65, 49_152])
+def test_argmax_rows_follows_torch_argmax_rules(dtype, width):
+    """The first of equal maxima (bf16 logits tie often), a NaN counting as the largest, rows with a stride,
+    a maximum in the last chunk, every row -inf: the same index as torch.argmax."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=g).to(dtype)
+    x[1] = x[1].round()  # many equal values: ties everywhere
+    x[2, width // 2:] = x[2].max() + 1  # the maximum repeated from the middle on
+    x[3, -1] = 100.0  # in the last (maybe short) chunk
+    x[4] = float("-inf")
+    x[5, width // 3] = float("nan")
+    x[5, -1] = float("nan")
+    assert torch.equal(argmax_rows_native(x), x.argmax(dim=-1))
+    wide = torch.randn(3, width + 5, generator=g).to(dtype)
+    assert torch.equal(argmax_rows_native(wide[:, :width]), wide[:, :width].argmax(dim=-1))
+
+
+def test_argmax_rows_names_a_bad_input():
+    with pytest.raises(ValueError, match=r"logits: expected \[R, V\] with V >= 1"):
+        argmax_rows_native(torch.zeros(3))
+    with pytest.raises(ValueError, match="logits: expected a CPU fp32 or bf16 tensor"):
+        argmax_rows_native(torch.zeros(2, 4, dtype=torch.float16))

@@ -3,6 +3,7 @@
     y = rms_norm_native(x, weight, eps)          # x [..., E] fp32 or bf16 -> y like x (weight: x's dtype)
     h = silu_mul_native(gu)                      # gu [..., 2F] = [gate | up] -> [..., F]
     rope_native_(x, cos, sin, heads)             # x [T, >= heads * D] rotated in place; cos, sin [T, D]
+    ids = argmax_rows_native(logits)             # logits [R, V] fp32 or bf16 -> [R] int64, torch.argmax's rules
 
 Each equals its PyTorch twin in engine/model.py (fp32: exactly but for RMSNorm's summation order; bf16: every
 intermediate rounded where torch rounds it). Compiled on first use (kernels/toolchain.py).
@@ -30,7 +31,8 @@ def _library() -> ctypes.CDLL:
     lib.servelab_rms_norm.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float]
     lib.servelab_silu_mul.argtypes = [ctypes.c_int, _ptr, _ptr, _i64, _i64]
     lib.servelab_rope.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
-    for f in (lib.servelab_rms_norm, lib.servelab_silu_mul, lib.servelab_rope):
+    lib.servelab_argmax_rows.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
+    for f in (lib.servelab_rms_norm, lib.servelab_silu_mul, lib.servelab_rope, lib.servelab_argmax_rows):
         f.restype = None
     return lib
 
@@ -94,3 +96,15 @@ def rope_native_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
             raise ValueError(f"{name}: expected fp32 [{T}, {D}] contiguous, got {t.dtype} {tuple(t.shape)}")
     _library().servelab_rope(DTYPES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), T, heads, D)
     return x
+
+
+def argmax_rows_native(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, logits [R, V] -> [R] int64: the first of equal maxima, a NaN counting
+    as the largest (torch.argmax's rules), in one vectorized pass and a short look back."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits: expected [R, V] with V >= 1, got {tuple(logits.shape)}")
+    rows = _rows(logits, "logits")
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    _library().servelab_argmax_rows(DTYPES[rows.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0],
+                                    rows.shape[1], out.data_ptr())
+    return out
