@@ -167,7 +167,8 @@ class PagedAttention:
         if plans.decode is not None:
             out[meta.decode_rows] = decode(q[meta.decode_rows], k_pool, v_pool, plans.decode, self.scale, scales)
         for chunk, plan in zip(meta.prefills, plans.prefills, strict=True):
-            out[chunk.lo:chunk.hi] = prefill_planned(q[chunk.lo:chunk.hi], k_pool, v_pool, plan, self.scale, scales)
+            rows = slice(chunk.lo, chunk.hi)
+            out[rows] = prefill_planned(q[rows], k_pool, v_pool, plan, self.scale, scales, fresh=(k[rows], v[rows]))
         return out[None]  # [1, N, H, D]
 
 

@@ -11,6 +11,7 @@ from test_sliding_window import windowed_cache
 
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.paged_attention.sdpa import plan_prefill, prefill_planned
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
@@ -81,6 +82,22 @@ def test_sdpa_prefill_takes_the_causal_shortcut_only_for_positions_in_order():
     for positions in (torch.arange(13), shuffled):
         args = (q, inputs["k_pool"], inputs["v_pool"], inputs["block_tables"][0], positions, inputs["scale"])
         assert_close(paged_prefill_attention(*args, backend="sdpa"), paged_prefill_attention_ref(*args))
+
+
+def test_a_whole_prompt_reads_its_fresh_keys_and_only_a_whole_prompt_does():
+    """prefill_planned(fresh=(k, v)): a whole prompt in order attends to the chunk's own k and v, the values the
+    pools hold (so the answer is the gather's); a chunk after cached positions must ignore them and gather."""
+    inputs, ks, vs = make_paged_cache([13], 4, num_heads=4, num_kv_heads=2, head_dim=8)
+    pools, table, scale = (inputs["k_pool"], inputs["v_pool"]), inputs["block_tables"][0], inputs["scale"]
+    q = torch.randn(13, 4, 8, generator=torch.Generator().manual_seed(3))
+    plan = plan_prefill(q, *pools, table, torch.arange(13), scale)
+    want = paged_prefill_attention_ref(q, *pools, table, torch.arange(13), scale)
+    assert_close(prefill_planned(q, *pools, plan, scale, fresh=(ks[0], vs[0])), want)
+    nan_pools = (torch.full_like(pools[0], float("nan")), torch.full_like(pools[1], float("nan")))
+    assert_close(prefill_planned(q, *nan_pools, plan, scale, fresh=(ks[0], vs[0])), want)  # no gather at all
+    wrong = (torch.zeros_like(ks[0]), torch.zeros_like(vs[0]))  # if a later chunk used them, it would show
+    tail = plan_prefill(q[8:], *pools, table, torch.arange(8, 13), scale)
+    assert_close(prefill_planned(q[8:], *pools, tail, scale, fresh=(wrong[0][8:], wrong[1][8:])), want[8:])
 
 
 def test_one_decode_plan_serves_every_layer():
