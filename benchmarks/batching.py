@@ -14,8 +14,18 @@ We replay the arrivals on the real clock (a request that is due is added with it
 arrival time, so TTFT counts its wait in the queue), step the engine, and read the metrics from
 its Trace (engine.metrics.trace_summary; percentiles by nearest rank). Speeds are reported, never asserted.
 
-    python benchmarks/batching.py            # 48 requests, two repeats per policy
+    python benchmarks/batching.py            # tinylab: 48 requests, two repeats per policy
     python benchmarks/batching.py --quick    # 16 requests, one repeat
+    python benchmarks/batching.py --model smollm2-135m-instruct    # the real model, the same requests
+
+Which model decides what continuous batching buys. A decode step's cost depends on how many sequences it
+carries only as much as the step is compute- or overhead-bound: the real model's decode reads all its weights
+every step (270-540 MB) and does 2 FLOPs per weight per sequence, so below the roofline's ridge (a batch of
+roughly 5-20 on these CPUs, against ~300 on a GPU) a step of 8 sequences costs little more than a step of 2:
+every seat static batching leaves empty while its batch's longest request finishes is throughput thrown away.
+tinylab's weights are a few MB: its steps are bound by per-row overheads (sampling, bookkeeping, Python),
+which grow with the batch, so filling seats buys less. We measure that directly: the median time of the
+continuous runs' pure decode steps by their number of sequences (decode_step_ms_by_batch in Settings).
 """
 
 from __future__ import annotations
@@ -32,15 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import torch  # noqa: E402
 
-from benchmarks._common import markdown_table, write_results  # noqa: E402
+from benchmarks._common import REAL_MODEL, markdown_table, write_results  # noqa: E402
 from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.metrics import trace_summary  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.trace import Trace  # noqa: E402
 
-MODEL = "tinylab"
-CONTEXT = 512  # tinylab's max_position_embeddings
+MODELS = ("tinylab", REAL_MODEL)
+CONTEXT = 512  # tinylab's max_position_embeddings (the real model's is longer: the same requests fit both)
 # Chat-like skew, scaled to a 512-token context: median prompt 48 tokens, median answer 24, long tails.
 LENGTHS = LengthDistribution(prompt_median=48.0, prompt_sigma=0.8, output_median=24.0, output_sigma=0.8)
 MAX_NUM_SEQS = 8  # seats per batch, the same for both policies
@@ -71,12 +81,12 @@ def workload(n: int, vocab: int, rate_per_s: float) -> list[tuple[float, list[in
     return out
 
 
-def served_rate_per_s(model, tokenizer, vocab: int) -> float:
+def served_rate_per_s(name: str, model, tokenizer, vocab: int) -> float:
     """Requests per second this machine serves with continuous batching (all of a few at once)."""
     requests = [(0.0, prompt, params) for _, prompt, params in workload(CALIBRATION_REQUESTS, vocab, 1.0)]
-    run_policy("continuous", requests, model, tokenizer)  # warm-up: first-call costs hit nobody's numbers
+    run_policy("continuous", requests, name, model, tokenizer)  # warm-up: first-call costs hit nobody's numbers
     start = time.perf_counter()
-    run_policy("continuous", requests, model, tokenizer)
+    run_policy("continuous", requests, name, model, tokenizer)
     return CALIBRATION_REQUESTS / (time.perf_counter() - start)
 
 
@@ -94,11 +104,24 @@ def replay(engine: LLMEngine, requests: list[tuple[float, list[int], SamplingPar
     return engine.trace
 
 
-def run_policy(name: str, requests, model, tokenizer) -> dict:
-    engine = LLMEngine(model, tokenizer, engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **POLICIES[name]))
+def decode_step_ms_by_batch(trace: Trace) -> dict[int, float]:
+    """Median wall time of the steps that only decode, by their number of sequences."""
+    by_batch: dict[int, list[float]] = {}
+    for r in trace.steps:
+        if r.scheduled and r.num_prefill_tokens == 0:
+            by_batch.setdefault(r.num_decode_tokens, []).append(r.end_time - r.start_time)
+    return {b: round(1e3 * statistics.median(times), 2) for b, times in sorted(by_batch.items())}
+
+
+def run_policy(name: str, requests, model_name: str, model, tokenizer, step_times: dict | None = None) -> dict:
+    """One policy over the requests; `step_times` (if given) collects decode_step_ms_by_batch of the run."""
+    engine = LLMEngine(model, tokenizer, engine_config(model_name, max_num_seqs=MAX_NUM_SEQS, **POLICIES[name]))
     cpu = time.process_time()
-    m = trace_summary(replay(engine, requests))
+    trace = replay(engine, requests)
+    m = trace_summary(trace)
     cpu = time.process_time() - cpu
+    if step_times is not None:
+        step_times.update(decode_step_ms_by_batch(trace))
     return {"policy": name, "steps": m.steps, "output_tokens": m.output_tokens,
             "tokens_per_step": round(m.tokens_per_step, 2),
             "throughput_tok_s": round(m.throughput_tok_s, 1),
@@ -121,17 +144,20 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, one repeat (a smoke run)")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="which model serves (default tinylab)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    model, tokenizer = load_model(MODEL)
+    model, tokenizer = load_model(args.model)
     vocab = model.config.vocab_size
-    rate = OVERLOAD * served_rate_per_s(model, tokenizer, vocab)
+    rate = OVERLOAD * served_rate_per_s(args.model, model, tokenizer, vocab)
     print(f"arrivals: Poisson, {rate:.1f} requests/s ({OVERLOAD:g}x what this machine serves)", flush=True)
     requests = workload(cfg["requests"], vocab, rate)
     runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+    step_times: dict[int, float] = {}  # the continuous runs' decode steps, by batch
     for _ in range(cfg["repeats"]):  # interleaved, so a slow patch of a shared machine hits every policy
         for name in POLICIES:
-            runs[name].append(run_policy(name, requests, model, tokenizer))
+            runs[name].append(run_policy(name, requests, args.model, model, tokenizer,
+                                         step_times if name == "continuous" else None))
             print(markdown_table(runs[name][-1:]).splitlines()[-1], flush=True)
     rows = [median_row(r) for r in runs.values()]
     static = rows[0]
@@ -139,12 +165,15 @@ def main(argv=None) -> None:
         row["x_throughput_vs_static"] = round(row["throughput_tok_s"] / static["throughput_tok_s"], 2)
         row["x_cpu_time_vs_static"] = round(static["cpu_s"] / row["cpu_s"], 2)  # same tokens, less CPU
     print("\n" + markdown_table(rows))
-    settings = dict(quick=args.quick, model=MODEL, **cfg, max_num_seqs=MAX_NUM_SEQS, overload=OVERLOAD,
+    settings = dict(quick=args.quick, model=args.model, **cfg, max_num_seqs=MAX_NUM_SEQS, overload=OVERLOAD,
                     rate_per_s=round(rate, 2),
                     prompt_median=LENGTHS.prompt_median, output_median=LENGTHS.output_median,
                     sigma=LENGTHS.prompt_sigma, chunk_budget=CHUNK_BUDGET,
-                    torch_threads=torch.get_num_threads())
-    write_results("batching", rows, settings, notes=_notes())
+                    torch_threads=torch.get_num_threads(),
+                    decode_step_ms_by_batch=dict(sorted(step_times.items())))
+    print(f"decode step ms by batch (continuous): {settings['decode_step_ms_by_batch']}")
+    write_results("batching" if args.model == MODELS[0] else f"batching_{args.model}", rows, settings,
+                  notes=_notes())
 
 
 def _notes() -> str:

@@ -8,7 +8,7 @@ dispatch whatever its size, and on a 2-core CPU they added up to about half of S
 has the problem, since its graph runs in C. Here the loop over layers moves into C, and the matmuls and the
 attention are the very C kernels the Python path calls, so the two paths compute the same numbers:
 
-    step rows <= NATIVE_MAX_ROWS, all decodes      everything else (prefill, bigger batches)
+    decodes only, rows <= max_rows                 everything else (prefill, bigger batches)
     embed, RoPE tables (torch)                     embed, RoPE tables (torch)
     all L layers: ONE C call                       for layer in model.layers: layer(x, ...)   (engine/model.py)
     final norm, lm_head (torch)                    final norm, lm_head (torch)
@@ -28,13 +28,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.packed_linear import PackedLinear
+from engine.packed_linear import PackedLinear, gemv_max_rows
 from engine.quantization import QuantLinear
 from kernels.decoder_layers import LINEAR_KINDS, Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
-from kernels.gemv import GEMV_MAX_ROWS
 
-NATIVE_MAX_ROWS = GEMV_MAX_ROWS  # decode steps of up to this many sequences: matrix-vector products
 ACTIVATION_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> ModelDims.bf16
 LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
 
@@ -88,6 +86,8 @@ class NativeLayers:
             raise ValueError(f"the native decoder layers cannot run this model: {why}")
         cfg, pool = model.config, attention.kv_pool
         self.attention, self.dtype, self._keep = attention, model.embed_tokens.weight.dtype, []
+        # decode steps of up to this many sequences: the matrix-vector products' regime (engine/packed_linear.py)
+        self.max_rows = gemv_max_rows(self.dtype)
         gemv, quant, attend = kernel_pointers()
         self.dims = ModelDims(E=cfg.hidden_size, H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads,
                               D=cfg.head_dim, F=cfg.intermediate_size, BS=pool.block_size,
@@ -118,11 +118,10 @@ class NativeLayers:
         bias = None if module.bias is None else module.bias.float()
         return Linear(LINEAR_KINDS[nw.qw.bits], n, nw.k, qweight, self._ptr(bias), scales, zeros, stride, group)
 
-    @staticmethod
-    def covers(meta) -> bool:
-        """Whether this step is the C layers' work: decodes only, at most NATIVE_MAX_ROWS of them."""
+    def covers(self, meta) -> bool:
+        """Whether this step is the C layers' work: decodes only, at most `max_rows` of them."""
         rows = meta.slot_mapping.shape[0]
-        return not meta.prefills and 0 < rows <= NATIVE_MAX_ROWS and meta.decode_rows.shape[0] == rows
+        return not meta.prefills and 0 < rows <= self.max_rows and meta.decode_rows.shape[0] == rows
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta) -> Tensor:
         """x [1, M, E] (the embedded decode tokens), cos/sin [1, M, 1, D] -> x after every layer, [1, M, E]."""
@@ -144,4 +143,4 @@ def native_layers_or_none(model, attention, layer_backend: str) -> NativeLayers 
     return NativeLayers(model, attention)
 
 
-__all__ = ["NATIVE_MAX_ROWS", "NativeLayers", "native_layers_or_none", "why_native_layers_cannot_run"]
+__all__ = ["NativeLayers", "native_layers_or_none", "why_native_layers_cannot_run"]

@@ -17,7 +17,7 @@ GFLOP/s of useful work, two threads:
 (one row: 2 FLOPs per 4-byte weight, so 7 GFLOP/s is 14 GB/s, this machine's whole read bandwidth on
 two cores; one thread showed the same order.) No single layout wins everywhere, so we keep two:
 
-- M <= GEMV_MAX_ROWS (a decode step of one or two sequences: a matrix-VECTOR product, bound by memory):
+- M <= 2 (a decode step of one or two sequences: a matrix-VECTOR product, bound by memory):
   W^T cut into P column blocks, one per thread, all multiplied by ONE batched matmul
 
       W^T [K, N]  ──cut the N output columns into P blocks──►  blocks [P, K, N/P]
@@ -33,7 +33,7 @@ The numbers are the model's: `PackedLinear(x)` equals `nn.Linear(x)` up to float
 happen in a different order), and the engine's greedy tokens equal the naive loop's (the tests check
 both). Where it pays is a property of the machine, not of the model:
 - fp32 on a CPU: packed (the table above; `weight_layout="auto"` picks it);
-- bf16 on a CPU: rows <= GEMV_MAX_ROWS read the bf16 weight as it is ([N, K], half the bytes of fp32:
+- bf16 on a CPU: decode rows read the bf16 weight as it is ([N, K], half the bytes of fp32:
   torch's bf16 GEMV streamed 10 GB/s here against 7 for fp32 F.linear); more rows run oneDNN's GEMM, in
   bf16 where the CPU has bf16 instructions (avx512_bf16, AMX) and otherwise in fp32 from an fp32 copy of
   the bf16 weights: on this AVX2 EPYC a bf16 GEMM is emulated at 13-16 GFLOP/s, the fp32 one runs at
@@ -70,8 +70,8 @@ from kernels.gemv import GEMV_MAX_ROWS, gemv_native, why_gemv_cannot_run
 PACKED_IS_FASTER = {torch.float32: True, torch.bfloat16: True, torch.float16: False}
 
 
-# Up to GEMV_MAX_ROWS (2, the C kernel's limit) a matmul is a GEMV (memory-bound): the C kernel or the column
-# blocks; above it oneDNN (table above).
+# Up to gemv_max_rows(dtype) a matmul is a GEMV (memory-bound): the C kernel or the column blocks; above it
+# oneDNN (table above).
 # oneDNN picks its blocked layout for a typical row count; 16 served 2..1024 rows well here (a hint of 1 did
 # not, 128 lost at 256 rows). It is a hint only: any M runs.
 ONEDNN_ROWS_HINT = 16
@@ -88,16 +88,33 @@ def bf16_instructions() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+# bf16 decode rows the C kernel takes where oneDNN runs bf16 GEMMs in hardware: from about 4 rows on, its AMX
+# GEMM costs the same at 4 and at 16 rows (Sapphire Rapids, 2 threads, 212 MB of SmolLM2-sized weights: 23-25 ms
+# a pass), while the C kernel's arithmetic grows with the rows (25 ms at 4, 34 at 8).
+BF16_GEMV_MAX_ROWS = 4
+COLUMN_BLOCK_MAX_ROWS = 2  # without the C kernel: the column-block bmm's rows (a decode step of 1 or 2)
+
+
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of x that go to the C matrix-vector kernel: all it takes (GEMV_MAX_ROWS) in fp32, where it
+    keeps up with oneDNN (2 threads, SmolLM2-sized weights: 33 against 34 ms at 4 rows, 44 against 41 at 8), and
+    in bf16 on CPUs without bf16 instructions (oneDNN would compute from an fp32 copy, twice the bytes);
+    BF16_GEMV_MAX_ROWS in bf16 where oneDNN has them."""
+    if dtype == torch.bfloat16 and bf16_instructions():
+        return BF16_GEMV_MAX_ROWS
+    return GEMV_MAX_ROWS
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held twice, in the layouts of the module docstring, picked by the number of rows M:
 
-        M <= GEMV_MAX_ROWS   where our C kernel builds (kernels/gemv), fp32 and bf16 weights: W itself, [N, K],
+        M <= gemv_rows       where our C kernel builds (kernels/gemv), fp32 and bf16 weights: W itself, [N, K],
                              shared with the original, streamed by the C matrix-vector kernel in fp32 arithmetic
                              (bf16 widened in registers: half the bytes of fp32, the whole point at batch 1; fp32
                              on 2 threads: 29 GB/s against the bmm's 25);
                              else fp32: `packed` [P, K, N/P], P column blocks of W^T (P = `blocks` if it divides
                              N, else 1: then packed[0] is simply W^T [K, N]); bf16: W through F.linear
-        M > GEMV_MAX_ROWS    `onednn`: oneDNN's blocked copy, in bf16 where the CPU has bf16 instructions,
+        M > gemv_rows        `onednn`: oneDNN's blocked copy, in bf16 where the CPU has bf16 instructions,
                              else in fp32 (the rows are cast up and the result back: the GEMM then runs at fp32
                              speed instead of an emulated bf16 one); None where oneDNN is missing
     """
@@ -115,6 +132,8 @@ class PackedLinear(nn.Module):
         # the C kernel is used all the same: the C decoder layers, engine/native_layers.py, need W as [N, K])
         self.gemv_weight = weight if why_gemv_cannot_run(weight) is None else None  # [N, K], no copy
         self.gemv_bias = None if self.bias is None else self.bias.float()
+        # decode steps of up to this many rows: the C kernel (or, where it cannot run, the column blocks)
+        self.gemv_rows = gemv_max_rows(weight.dtype) if self.gemv_weight is not None else COLUMN_BLOCK_MAX_ROWS
         if self.gemv_weight is not None or weight.dtype == torch.bfloat16:
             self.packed, self.weight = None, weight  # [N, K], no copy (read by the C kernel or F.linear)
         else:
@@ -129,9 +148,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        if 0 < rows.shape[0] <= GEMV_MAX_ROWS and self.gemv_weight is not None:  # (no rows: F.linear below)
+        if 0 < rows.shape[0] <= self.gemv_rows and self.gemv_weight is not None:  # (no rows: F.linear below)
             y = gemv_native(rows.float().contiguous(), self.gemv_weight, self.gemv_bias).to(x.dtype)  # [M, N]
-        elif rows.shape[0] > GEMV_MAX_ROWS and self.onednn is not None:
+        elif rows.shape[0] > self.gemv_rows and self.onednn is not None:
             y = torch.ops.mkldnn._linear_pointwise(rows.to(self.gemm_dtype), self.onednn, self.gemm_bias,
                                                    "none", [], "").to(x.dtype)  # [M, N]
         elif self.packed is None:

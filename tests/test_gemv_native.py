@@ -1,6 +1,6 @@
-"""kernels/gemv: the C matrix-vector product equals F.linear in fp32 arithmetic, for fp32 and bf16 weights, one and
-two rows, K and N that are not multiples of the vector width or of the four rows per pass, with and without
-bias, one and two threads, in every build (this machine's, AVX2 only, plain C)."""
+"""kernels/gemv: the C matrix-vector product equals F.linear in fp32 arithmetic, for fp32 and bf16 weights, 1 to 16
+rows (blocks of four and what is left), K and N that are not multiples of the vector width or of the four rows per
+pass, with and without bias, one and two threads, in every build (this machine's, AVX2 only, plain C)."""
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ def oracle(x, w, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11, 16])
 @pytest.mark.parametrize("n,k", [(4, 16), (13, 40), (1536, 576), (7, 3), (3, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -37,8 +37,15 @@ def test_gemv_equals_linear(dtype, m, n, k, bias, threads):
     torch.testing.assert_close(got, oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)
 
 
+def test_a_row_sums_alike_whatever_rides_along_with_it():
+    """Row m's output does not depend on how many other rows share its block of four: the same bits at M = 1 and as
+    row 5 of 16 (each output is one dot product, summed in one order)."""
+    w, x = torch.randn(1000, 576).bfloat16(), torch.randn(16, 576)
+    assert torch.equal(gemv_native(x[5:6].contiguous(), w), gemv_native(x, w)[5:6])
+
+
 def test_the_thread_count_does_not_change_a_bit():
-    w, x = torch.randn(1000, 576), torch.randn(2, 576)
+    w, x = torch.randn(1000, 576), torch.randn(7, 576)
     before = torch.get_num_threads()
     try:
         outs = []
@@ -62,14 +69,14 @@ def test_the_other_builds_equal_linear_too(build, monkeypatch, tmp_path):
     lib = cpu_native.load_library(flags=BUILDS[build])
     monkeypatch.setattr(cpu_native, "_library", lambda: lib)
     for dtype in (torch.float32, torch.bfloat16):
-        w, x, b = torch.randn(13, 45).to(dtype), torch.randn(2, 45), torch.randn(13)
+        w, x, b = torch.randn(13, 45).to(dtype), torch.randn(6, 45), torch.randn(13)
         torch.testing.assert_close(gemv_native(x, w, b), oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)
 
 
 def test_bad_rows_and_weights_are_named():
     w = torch.randn(8, 16)
-    with pytest.raises(ValueError, match=r"x: expected fp32 contiguous \[1..2, 16\]"):
-        gemv_native(torch.randn(3, 16), w)
+    with pytest.raises(ValueError, match=r"x: expected fp32 contiguous \[1..16, 16\]"):
+        gemv_native(torch.randn(17, 16), w)
     with pytest.raises(ValueError, match="x: expected"):
         gemv_native(torch.randn(1, 15), w)
     assert "fp32 and bf16" in why_gemv_cannot_run(w.half())

@@ -12,7 +12,7 @@ from engine_fixtures import mixed_workload, naive_outputs, random_model, run_eng
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.native_layers import NATIVE_MAX_ROWS, NativeLayers, why_native_layers_cannot_run
+from engine.native_layers import NativeLayers, why_native_layers_cannot_run
 from engine.quantization import quantize_model
 from engine.runner import run_model
 from kernels.decoder_layers import decoder_layers_native
@@ -33,7 +33,7 @@ def count_native_steps(engine: LLMEngine) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 2, 4])
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 4, 8])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_greedy_outputs_equal_the_naive_loop(max_num_seqs, kv_heads):
     model = random_model(seed=kv_heads, kv_heads=kv_heads)
@@ -44,9 +44,9 @@ def test_greedy_outputs_equal_the_naive_loop(max_num_seqs, kv_heads):
     while engine.has_unfinished_requests():
         engine.step()
     assert [engine.get_request(i).output_token_ids for i in ids] == naive_outputs(model, workload)
-    assert rows and max(rows) <= NATIVE_MAX_ROWS  # the C layers ran, and only on small decode steps
+    assert rows and max(rows) <= engine.runner.native_layers.max_rows  # the C layers ran, on small decode steps only
     if max_num_seqs >= 2:
-        assert 2 in rows  # two sequences in one C call happened too
+        assert max(rows) >= 2  # several sequences in one C call happened too
 
 
 def test_qkv_bias_and_a_sliding_window_equal_the_naive_loop():

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
-GEMV_MAX_ROWS = 2  # rows of x the kernel takes: a decode step of one or two sequences (more rows: a GEMM's job)
+GEMV_MAX_ROWS = 16  # rows of x the kernel takes: a decode step of up to 16 sequences (more rows: a GEMM's job)
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the C function's `bf16` flag
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
