@@ -36,6 +36,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,9 @@ TARGETS = (("offline >= 1.2x vLLM", "offline_tok_s", "vllm", 1.2),
            ("prefill >= 1.2x vLLM", "prefill_tok_s", "vllm", 1.2),
            ("batch-1 decode >= llama.cpp", "decode_tok_s", "llamacpp", 1.0))
 METRICS = ("decode_tok_s", "offline_tok_s", "prefill_tok_s")
+PEAK_FRACTION_NEEDED = 0.8  # issue 17: offline throughput >= 80% of this machine's matmul peak, in useful FLOPs
+PEAK_ROWS = 4096  # the matmul peak is measured on a prefill-sized GEMM: 4096 rows x the model's widest weight
+PEAK_REPEATS = 10
 
 
 # ---- the work: prompts and weights ---------------------------------------------------------------------
@@ -286,6 +290,62 @@ def target_verdicts(engine_speeds: dict[str, dict], skipped: dict[str, str]) -> 
     return verdicts
 
 
+# ---- the matmul peak and the useful FLOPs of the offline run -----------------------------------------------
+def matmul_peak_gflops(folder: Path, dtype: str, threads: int) -> float:
+    """GFLOP/s of torch's best CPU GEMM here (oneDNN's packed weight, what the engine's prefill runs), on
+    [PEAK_ROWS, E] x the model's gate/up weight [2F, E]^T, in `dtype`, on `threads` threads: the median of
+    PEAK_REPEATS. No engine gets more useful matmul work per second than this out of the same cores."""
+    import torch
+
+    cfg = json.loads((folder / "config.json").read_text())
+    E, F2 = cfg["hidden_size"], 2 * cfg["intermediate_size"]
+    dt, before = getattr(torch, dtype), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w = torch.randn(PEAK_ROWS, E).to(dt), torch.randn(F2, E).to(dt)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PEAK_ROWS)
+        gemm = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+        for _ in range(2):
+            gemm()
+        times = []
+        for _ in range(PEAK_REPEATS):
+            t = time.perf_counter()
+            gemm()
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * PEAK_ROWS * E * F2 / statistics.median(times) / 1e9
+
+
+def offline_useful_gflop(folder: Path, prompt_lengths: list[int], new_tokens: int) -> float:
+    """The FLOPs the offline run cannot avoid: every linear layer once per token (2 per weight), the LM head once
+    per generated token, and causal attention (QK^T and PV: 4 H D FLOPs per layer and visible key)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    L, E, H, D = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    Hkv, F, V = cfg["num_key_value_heads"], cfg["intermediate_size"], cfg["vocab_size"]
+    per_token = 2 * L * (E * (H + 2 * Hkv) * D + H * D * E + 3 * E * F)
+    attention_per_key = 4 * L * H * D
+    total = 0
+    for n in prompt_lengths:
+        positions = n + new_tokens - 1  # the prompt's tokens, then every generated token but the last is fed back
+        total += positions * per_token + attention_per_key * positions * (positions + 1) // 2
+    total += len(prompt_lengths) * new_tokens * 2 * E * V
+    return total / 1e9
+
+
+def peak_fraction_verdict(result: dict | None, useful_gflop: float, peak_gflops: float) -> dict:
+    """The peak target's verdict for one engine's offline seconds."""
+    what = f"offline >= {PEAK_FRACTION_NEEDED:.0%} of the matmul peak"
+    seconds = (result or {}).get("offline_s")
+    if not seconds:
+        return {"target": what, "servelab": None, "anchor": round(peak_gflops, 1), "ratio": None,
+                "verdict": "not measured (no offline run)"}
+    gflops = useful_gflop / seconds
+    return {"target": what, "servelab": round(gflops, 1), "anchor": round(peak_gflops, 1),
+            "ratio": round(gflops / peak_gflops, 2),
+            "verdict": "met" if gflops >= PEAK_FRACTION_NEEDED * peak_gflops else "missed", "unit": "GFLOP/s"}
+
+
 # ---- the run ---------------------------------------------------------------------------------------------
 DTYPES = ("float32", "bfloat16")  # what every engine loads the weights as (the same name in torch and vLLM)
 
@@ -352,17 +412,27 @@ def main(argv=None) -> None:
                  "same_weights": check_same_weights(gguf_path, folder)}
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm_"))
     started = load_average()
+    peak = matmul_peak_gflops(folder, args.dtype, args.threads)
+    print(f"matmul peak ({args.dtype}, {args.threads} threads): {peak:.0f} GFLOP/s", flush=True)
     results, skipped = run_all(engines, job, args.threads, log_dir)
     if "llamacpp" in args.engines and "llamacpp" not in engines:
         skipped["llamacpp"] = f"--dtype {args.dtype}: this benchmark gives llama.cpp only an F32 GGUF file"
     engine_speeds = {e: speeds(r, cfg) for e, r in results.items()}
     equality = greedy_equality({e: r for e, r in results.items() if "failed" not in r})
     rows, verdicts = table_rows(engine_speeds, equality, args.threads), target_verdicts(engine_speeds, skipped)
+    useful = offline_useful_gflop(folder, [len(p) for p in job["offline_prompts"]], cfg["new_tokens"])
+    verdicts.append(peak_fraction_verdict(results.get("servelab"), useful, peak))
+    for row in rows:  # every engine's offline run in useful GFLOP/s, and as a share of the peak
+        engine = next(e for e, label in LABELS.items() if label == row["engine"])
+        seconds = results.get(engine, {}).get("offline_s")
+        row["offline_useful_gflops"] = round(useful / seconds, 1) if seconds else None
+        row["offline_x_peak"] = round(useful / seconds / peak, 2) if seconds else None
     print("\n" + markdown_table(rows) + "\n" + "\n".join(f"{v['target']}: {v['verdict']}" for v in verdicts))
     settings = dict(quick=quick, model=REAL_MODEL_LABEL, dtype=args.dtype, greedy=True, ignore_eos=True, **cfg,
                     offline_prompt_lengths=list(OFFLINE_PROMPT_LENGTHS),
                     offline_prompt_tokens=sum(map(len, job["offline_prompts"])), threads=args.threads,
                     max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, cpu_flags=" ".join(cpu_flags()),
+                    matmul_peak_gflops=round(peak, 1), offline_useful_gflop=round(useful, 1),
                     torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), load_avg_at_start=started,
                     load_avg_at_end=load_average(), weights=model_provenance(folder)["sha256"],
                     vllm=vllm_settings(results.get("vllm", {}).get("info")))
@@ -390,7 +460,10 @@ VLLM_CPU_NUM_OF_RESERVED_CPU=0, enable_prefix_caching=False, enforce_eager=True 
 that libtcmalloc and libiomp are not in LD_PRELOAD (its documentation's tuned setup): we run it as a plain
 pip install leaves it.
 x_vs_vllm: each number over vLLM's. greedy_vs_servelab: sequences identical token for token (where
-the others first differ).
+the others first differ). offline_useful_gflops: the offline run's unavoidable FLOPs (every linear layer once per
+token, the LM head once per generated token, causal attention) per second of it; offline_x_peak: that over this
+machine's matmul peak (Settings: matmul_peak_gflops, oneDNN's packed GEMM of [4096, E] x [2F, E]^T in the run's
+dtype and threads, measured in the same run).
 """
 
 
@@ -408,7 +481,7 @@ def notes_text(settings: dict, details: dict) -> str:
 
     loads = "; ".join(f"{e} {r['load_avg_before']} -> {r['load_avg_after']}" for e, r in details["engines"].items())
     skipped = "".join(f"\n- {LABELS[e]} skipped: {why}" for e, why in details["skipped"].items())
-    targets = "\n".join(f"- {v['target']}: servelab {v['servelab']} vs {v['anchor']} tok/s"
+    targets = "\n".join(f"- {v['target']}: servelab {v['servelab']} vs {v['anchor']} {v.get('unit', 'tok/s')}"
                         + (f" = {v['ratio']}x" if v["ratio"] is not None else "") + f": **{v['verdict']}**"
                         for v in details["targets"])
     return (NOTES.strip().format(dtype=settings["dtype"]) + "\n\n"

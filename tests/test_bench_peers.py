@@ -109,6 +109,8 @@ from benchmarks.vs_vllm import (  # noqa: E402
     make_job,
     make_prompts,
     notes_text,
+    offline_useful_gflop,
+    peak_fraction_verdict,
     speeds,
     table_rows,
     target_verdicts,
@@ -216,3 +218,21 @@ def test_a_job_carries_the_dtype_every_engine_loads_and_the_notes_name_it(tmp_pa
     details = {"engines": {}, "skipped": {"llamacpp": "--dtype bfloat16"}, "targets": []}
     text = notes_text(settings, details)
     assert "SmolLM2-135M-Instruct in bfloat16" in text and "llama.cpp (F32 GGUF) skipped" in text
+
+
+def test_useful_flops_count_each_linear_once_per_token_the_head_per_new_token_and_causal_attention(tmp_path):
+    """One layer, E=2, H=Hkv=1, D=2, F=1, V=3: linears 2 * (2*3*2 + 2*2 + 3*2*1) = 44 FLOPs a token, attention 8
+    a visible key, the head 12 a generated token. A 2-token prompt and 2 new tokens: 3 positions (the last new
+    token is never fed back) see 1 + 2 + 3 keys."""
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 1, "hidden_size": 2, "num_attention_heads": 1, '
+                                          '"head_dim": 2, "num_key_value_heads": 1, "intermediate_size": 1, '
+                                          '"vocab_size": 3}')
+    assert offline_useful_gflop(tmp_path, [2], 2) * 1e9 == pytest.approx(3 * 44 + 8 * 6 + 2 * 12)
+    assert offline_useful_gflop(tmp_path, [2, 2], 2) == pytest.approx(2 * offline_useful_gflop(tmp_path, [2], 2))
+
+
+def test_the_peak_target_is_met_at_80_percent_and_says_when_there_was_no_run():
+    assert peak_fraction_verdict({"offline_s": 10.0}, 800.0, 100.0)["verdict"] == "met"
+    missed = peak_fraction_verdict({"offline_s": 10.0}, 790.0, 100.0)
+    assert missed["verdict"] == "missed" and missed["ratio"] == 0.79 and missed["servelab"] == 79.0
+    assert peak_fraction_verdict(None, 800.0, 100.0)["verdict"].startswith("not measured")
