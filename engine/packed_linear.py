@@ -88,17 +88,18 @@ def bf16_instructions() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# bf16 decode rows the C kernel takes where oneDNN runs bf16 GEMMs in hardware: from about 4 rows on, its AMX
-# GEMM costs the same at 4 and at 16 rows (Sapphire Rapids, 2 threads, 212 MB of SmolLM2-sized weights: 23-25 ms
-# a pass), while the C kernel's arithmetic grows with the rows (25 ms at 4, 34 at 8).
-BF16_GEMV_MAX_ROWS = 4
+# bf16 decode rows the C kernel takes where oneDNN runs bf16 GEMMs in hardware: its AMX GEMM costs about the same
+# at 2 and at 16 rows (Sapphire Rapids, 2 threads, 212 MB of SmolLM2-sized weights: 21-23 ms a pass), while the C
+# kernel's arithmetic grows with the rows (12 ms at 2, 13 at 4, 21 at 8, 29 at 12).
+BF16_GEMV_MAX_ROWS = 8
 COLUMN_BLOCK_MAX_ROWS = 2  # without the C kernel: the column-block bmm's rows (a decode step of 1 or 2)
 
 
 def gemv_max_rows(dtype: torch.dtype) -> int:
     """The most rows of x that go to the C matrix-vector kernel: all it takes (GEMV_MAX_ROWS) in fp32, where it
-    keeps up with oneDNN (2 threads, SmolLM2-sized weights: 33 against 34 ms at 4 rows, 44 against 41 at 8), and
-    in bf16 on CPUs without bf16 instructions (oneDNN would compute from an fp32 copy, twice the bytes);
+    keeps up with oneDNN's packed GEMM (2 threads, 425 MB of SmolLM2-sized weights: 21 against 26 ms at 4 rows,
+    28 against 32 at 8, 42 against 36 at 16, where a step in C saves the Python layers' overhead), and in bf16
+    on CPUs without bf16 instructions (oneDNN would compute from an fp32 copy, twice the bytes);
     BF16_GEMV_MAX_ROWS in bf16 where oneDNN has them."""
     if dtype == torch.bfloat16 and bf16_instructions():
         return BF16_GEMV_MAX_ROWS

@@ -13,9 +13,8 @@
  * Up to four rows of x ride along (16 accumulators): each vector of W, loaded once, serves all of them, so a
  * decode step of four sequences reads W once, as a step of one does. More rows of x take further blocks of
  * four over the same W rows, which are then in L1. Measured on 2 cores of an Intel Xeon (Sapphire Rapids)
- * over SmolLM2-sized weights (425 MB fp32) with one x row per vector of W at a time, 8 rows had taken 2.7x
- * the time of one; with the blocks, 1.6x, level with oneDNN's packed GEMM in fp32 (bf16: oneDNN's AMX GEMM
- * is flat from 4 rows on, and engine/packed_linear.py hands it those).
+ * over SmolLM2-sized weights (425 MB fp32): 8 rows take 1.4x the time of one (27.5 against 19.5 ms), faster
+ * than oneDNN's packed GEMM up to 8 rows in fp32 and bf16 (engine/packed_linear.py picks per dtype).
  *
  * bf16 weights are widened to fp32 in registers (a bf16 is the top half of an fp32: zero-extend, shift left
  * by 16), so a bf16 model reads half the bytes and computes in fp32. AVX-512 (16 lanes) or AVX2 (8 lanes)
@@ -78,7 +77,9 @@ static inline float vsum(vec v) {
  * prefetcher alone left bf16 weights at 6.6 GB/s on one core of an Intel Xeon (Sapphire Rapids), 10-13 with
  * these; fp32 streamed 11 either way. */
 static inline void prefetch_next_pass(const char *at, int64_t row_bytes) {
-    for (int i = ROWS; i < 2 * ROWS; i++) _mm_prefetch(at + i * row_bytes + PREFETCH_BYTES, _MM_HINT_T0);
+    /* (__builtin_prefetch, not _mm_prefetch: inlined into rows_block's always_inline copies, GCC 12 dropped every
+     * _mm_prefetch without a word, and bf16 rows fell back to the hardware prefetcher's 6.7 GB/s) */
+    for (int i = ROWS; i < 2 * ROWS; i++) __builtin_prefetch(at + i * row_bytes + PREFETCH_BYTES, 0, 3);
 }
 
 /* Four rows of W (starting at row n) times MB rows of x (MB = 1..4, a compile-time constant at each call):
