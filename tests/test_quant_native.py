@@ -82,6 +82,16 @@ def test_native_matches_the_reference_on_rounded_activations(bits, group_size, p
     assert rel_err(y, quant_matmul_ref(x, qw)) <= ROUNDING_TOL
 
 
+@pytest.mark.parametrize("k,group_size", [(96, 32), (96, None), (192, 96), (576, 64), (576, 32)])
+def test_int4_pairs_of_blocks_and_the_odd_ones_out_both_match_the_reference(k, group_size):
+    """With AVX-512 VNNI, int4 takes two blocks per instruction where the blocks pair up (K / 32 even, groups of
+    one block or an even number); 3 blocks, or groups of 3, take the 256-bit loop. Both meet the oracle."""
+    w, x = make(52, k, 2)
+    qw = quantize(w, 4, group_size)
+    y = quant_matmul(x, qw, backend="native")
+    assert rel_err(y, quant_matmul_ref(cpu_native.round_activations(x), qw)) <= ORDER_TOL
+
+
 def test_rounding_is_the_only_difference_from_the_reference():
     """Planted check: the oracle with the rounding left out must be measurably farther than ORDER_TOL,
     or the first assertion above could not catch a kernel that ignored it."""
