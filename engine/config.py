@@ -296,9 +296,10 @@ class EngineConfig:
     # How the linear layers' weights are laid out for the matmuls (engine/packed_linear.py): "linear" keeps
     # nn.Linear's [N, K]; "packed" stores [K, N] in one column block per thread; "auto" packs fp32 on a CPU.
     weight_layout: str = "auto"
-    # "auto": a decode step of one or two sequences runs every decoder layer in one C call where the packed model
-    # and the pools allow it (engine/native_layers.py), and longer steps run RMSNorm, SiLU-times-up and RoPE as
-    # fused C ops (engine/native_ops.py); "python" always runs engine/model.py's PyTorch layers as written.
+    # "auto": a decode step of a few sequences (up to 16 in fp32, 8 in bf16 on CPUs with bf16 instructions: where
+    # the C matrix-vector kernel beats oneDNN, engine/packed_linear.py) runs every decoder layer in one C call where
+    # the packed model and the pools allow it (engine/native_layers.py), and longer steps run RMSNorm, SiLU-times-up
+    # and RoPE as fused C ops (engine/native_ops.py); "python" always runs engine/model.py's PyTorch layers as written.
     layer_backend: str = "auto"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 

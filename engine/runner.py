@@ -243,7 +243,7 @@ def run_model(model: LlamaModel, attention: PagedAttention, input_ids: Tensor, p
 
     This is `LlamaModel.forward` with its last two lines applied to S rows instead of N: with
     long prefill chunks most rows never need logits, and lm_head is the widest matmul (E x V).
-    A decode step of one or two sequences runs every layer in one C call where `native_layers` is given
+    A decode step of a few sequences runs every layer in one C call where `native_layers` is given
     (engine/native_layers.py): the same arithmetic, without ~540 small torch ops.
     """
     x = model.embed_tokens(input_ids)  # [1, N, E]

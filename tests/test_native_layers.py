@@ -1,5 +1,5 @@
-"""The C decoder layers (kernels/decoder_layers, engine/native_layers.py): a decode step of one or two sequences
-runs every layer in one C call. Oracles: the naive loop (greedy tokens, fp32) and engine/model.py's layers (the
+"""The C decoder layers (kernels/decoder_layers, engine/native_layers.py): a decode step of a few sequences runs
+every layer in one C call. Oracles: the naive loop (greedy tokens, fp32) and engine/model.py's layers (the
 hidden state after all layers, fp32, bf16 and quantized weights)."""
 
 from __future__ import annotations
