@@ -137,7 +137,6 @@ static void softmax_rows(float *scores, int64_t rows, int64_t L) {
     }
 }
 
-
 /* The plain-C version: the row widened into scratch [D], the accumulators in scratch + D [gc, D]. */
 static void attend_head_plain(const Head *a, const int64_t *slots, const float *q, int64_t gc, float *scores,
                               float *scratch, float *out) {

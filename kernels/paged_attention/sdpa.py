@@ -178,9 +178,9 @@ def plan_prefill(q, k_pool, v_pool, block_table, q_positions, scale: float,
 def prefill_planned(q, k_pool, v_pool, plan: PrefillPlan, scale: float, scales=None, fresh=None):
     """One layer's attention of one prefill chunk, q [Tq, H, D] -> [Tq, H, D], with the chunk's `plan`.
 
-    fresh: the chunk's own (k, v) [Tq, Hkv, D], just written into float pools. A whole prompt (plan.mask None)
-    reads no other keys, so these ARE its keys, the very values the pools hold: no gather needed."""
-    if fresh is not None and plan.mask is None and scales is None:
+    fresh: the chunk's own (k, v) [Tq, Hkv, D], just written into float pools of their dtype. A whole prompt
+    (plan.mask None) reads no other keys, so these ARE its keys, the very values the pools hold: no gather needed."""
+    if fresh is not None and plan.mask is None and scales is None and fresh[0].dtype == k_pool.dtype:
         return _attend_causal(q[None], fresh[0][None], fresh[1][None], scale)[0]
     k = _gather(k_pool, scales[0] if scales else None, plan.blocks, 1)  # [1, L, Hkv, D]
     v = _gather(v_pool, scales[1] if scales else None, plan.blocks, 1)
