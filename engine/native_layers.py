@@ -32,6 +32,7 @@ from engine.packed_linear import PackedLinear, gemv_max_rows
 from engine.quantization import QuantLinear
 from kernels.decoder_layers import LINEAR_KINDS, Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
+from kernels.quant_matmul.cpu_native import FUSED_MAX_ROWS
 
 ACTIVATION_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> ModelDims.bf16
 LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
@@ -86,8 +87,10 @@ class NativeLayers:
             raise ValueError(f"the native decoder layers cannot run this model: {why}")
         cfg, pool = model.config, attention.kv_pool
         self.attention, self.dtype, self._keep = attention, model.embed_tokens.weight.dtype, []
-        # decode steps of up to this many sequences: the matrix-vector products' regime (engine/packed_linear.py)
-        self.max_rows = gemv_max_rows(self.dtype)
+        # decode steps of up to this many sequences: the matrix-vector products' regime (engine/packed_linear.py);
+        # with quantized layers, no more rows than the fused quantized kernel takes in Python (FUSED_MAX_ROWS)
+        quantized = any(isinstance(m, QuantLinear) for layer in model.layers for m in _linears(layer).values())
+        self.max_rows = min(gemv_max_rows(self.dtype), FUSED_MAX_ROWS) if quantized else gemv_max_rows(self.dtype)
         gemv, quant, attend = kernel_pointers()
         self.dims = ModelDims(E=cfg.hidden_size, H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads,
                               D=cfg.head_dim, F=cfg.intermediate_size, BS=pool.block_size,

@@ -16,6 +16,7 @@ from engine.native_layers import NativeLayers, why_native_layers_cannot_run
 from engine.quantization import quantize_model
 from engine.runner import run_model
 from kernels.decoder_layers import decoder_layers_native
+from kernels.quant_matmul.cpu_native import FUSED_MAX_ROWS
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
 
 pytestmark = pytest.mark.skipif(why_c_cannot_load() is not None, reason=f"no C layers here: {why_c_cannot_load()}")
@@ -117,6 +118,7 @@ def test_quantized_layers_run_in_c_and_agree_with_python(scheme):
     quantize_model(model, scheme, backend="native")
     engine = LLMEngine(model, None, engine_config(model="random"))
     assert engine.runner.native_layers is not None
+    assert engine.runner.native_layers.max_rows == FUSED_MAX_ROWS  # beyond it, Python dequantizes for a GEMM
     python, c = hidden_after_layers(engine, [[5, 9, 12, 40, 7], [3, 3, 8]])
     assert (python - c).abs().max() <= 0.02 * python.abs().max()
     workload = mixed_workload(4, seed=2, max_out=10)
