@@ -16,8 +16,8 @@ from engine.native_layers import NativeLayers, why_native_layers_cannot_run
 from engine.quantization import quantize_model
 from engine.runner import run_model
 from kernels.decoder_layers import decoder_layers_native
-from kernels.quant_matmul.cpu_native import FUSED_MAX_ROWS
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
+from kernels.quant_matmul.cpu_native import FUSED_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(why_c_cannot_load() is not None, reason=f"no C layers here: {why_c_cannot_load()}")
 
