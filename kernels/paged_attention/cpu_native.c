@@ -117,10 +117,14 @@ static inline void prefetch_row(const Head *a, const void *pool, int64_t slot) {
 }
 
 /* The pool slot of every position first .. len - 1 (t = p - first), from the block table once per work item:
- * both passes then walk a plain array (the division p / BS per row had cost as much as the row's math). */
+ * both passes then walk a plain array (a division p / BS per row had cost as much as the row's math). Block by
+ * block, so that only the first position is divided. */
 static void fill_slots(const Head *a, int64_t *slots) {
-    for (int64_t p = a->first; p < a->len; p++)
-        slots[p - a->first] = (int64_t)a->table[p / a->BS] * a->BS + p % a->BS;
+    int64_t p = a->first, off = p % a->BS;
+    for (int64_t blk = p / a->BS; p < a->len; blk++, off = 0) {
+        int64_t base = (int64_t)a->table[blk] * a->BS;  /* the block's first slot */
+        for (; off < a->BS && p < a->len; off++, p++) slots[p - a->first] = base + off;
+    }
 }
 
 /* Each query row's softmax, in place: w[j, t] = exp(s[j, t] - max_t s[j, t]) / sum_t exp(...). */
