@@ -422,9 +422,8 @@ def main(argv=None) -> None:
     rows, verdicts = table_rows(engine_speeds, equality, args.threads), target_verdicts(engine_speeds, skipped)
     useful = offline_useful_gflop(folder, [len(p) for p in job["offline_prompts"]], cfg["new_tokens"])
     verdicts.append(peak_fraction_verdict(results.get("servelab"), useful, peak))
-    for row in rows:  # every engine's offline run in useful GFLOP/s, and as a share of the peak
-        engine = next(e for e, label in LABELS.items() if label == row["engine"])
-        seconds = results.get(engine, {}).get("offline_s")
+    for row, engine in zip(rows, engine_speeds, strict=True):  # each offline run in useful GFLOP/s, and / peak
+        seconds = results[engine].get("offline_s")
         row["offline_useful_gflops"] = round(useful / seconds, 1) if seconds else None
         row["offline_x_peak"] = round(useful / seconds / peak, 2) if seconds else None
     print("\n" + markdown_table(rows) + "\n" + "\n".join(f"{v['target']}: {v['verdict']}" for v in verdicts))

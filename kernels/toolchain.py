@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +25,7 @@ AVX2_FLAGS = ("-mavx2", "-mfma")  # added where torch reports the CPU can run AV
 # every one of these flags (AMD Zen 4, Intel Ice Lake and later); the compiler flags that enable it:
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)  # a header of ours, e.g. "../cpu_vectors.h"
 CACHE_ENV = "SERVELAB_CACHE"  # where compiled C kernels are kept (default ~/.cache/servelab)
 
 
@@ -153,6 +155,14 @@ def why_cannot_load(load) -> str | None:
     return None
 
 
+def source_with_headers(c_file: Path) -> bytes:
+    """The C file's text followed by that of every header of ours it includes ("...", beside it): what the
+    compiled library's cache key hashes, so that editing a shared header rebuilds every kernel that uses it."""
+    source = Path(c_file).read_bytes()
+    return source + b"".join((Path(c_file).parent / name.decode()).read_bytes()
+                             for name in LOCAL_INCLUDE.findall(source))
+
+
 def build_c_library(c_file: Path, what: str, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile `c_file` into a shared library (once per source, flags and compiler: the result is cached on
     disk) and load it with ctypes. torch must be imported first so that the library's OpenMP is torch's own.
@@ -160,7 +170,7 @@ def build_c_library(c_file: Path, what: str, flags: tuple[str, ...] | None = Non
     cc = c_compiler()
     if cc is None:
         raise RuntimeError(f"the C {what} needs a C compiler (cc or gcc on PATH, or $CC)")
-    source = Path(c_file).read_bytes()
+    source = source_with_headers(c_file)
     flags = c_flags() if flags is None else tuple(flags)
     key = hashlib.sha256(source + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     out = kernel_cache_dir() / f"{Path(c_file).stem}-{key}.so"

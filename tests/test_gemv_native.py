@@ -82,3 +82,16 @@ def test_bad_rows_and_weights_are_named():
     assert "fp32 and bf16" in why_gemv_cannot_run(w.half())
     assert "contiguous" in why_gemv_cannot_run(w.t())
     assert why_gemv_cannot_run(w) is None
+
+
+def test_editing_a_shared_header_rebuilds_the_kernels_that_include_it(monkeypatch, tmp_path):
+    """The compiled library's cache key covers the headers a C file includes ("../cpu_vectors.h" for the kernels):
+    a stale library built from the old header would otherwise be loaded again."""
+    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "k").mkdir()
+    (tmp_path / "shared.h").write_text("#define ANSWER 41\n")
+    c_file = tmp_path / "k" / "kernel.c"
+    c_file.write_text('#include "../shared.h"\nint answer(void) { return ANSWER; }\n')
+    assert toolchain.build_c_library(c_file, "test kernel", toolchain.C_FLAGS).answer() == 41
+    (tmp_path / "shared.h").write_text("#define ANSWER 42\n")
+    assert toolchain.build_c_library(c_file, "test kernel", toolchain.C_FLAGS).answer() == 42

@@ -26,50 +26,16 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "../cpu_vectors.h"  /* widen_bf16 and the vector layer (vec, vload, vload_bf16, vfma, vsum, ...) */
 
 #define ROWS 4  /* weight rows per pass: one load of x serves four dot products */
 #define X_ROWS 4  /* rows of x per block: 4 x 4 accumulators, half the vector registers of AVX-512 */
 #define PREFETCH_BYTES 4096  /* past the next pass's position: measured 1.1x on one core (0 and 1024 alike) */
 
-static inline float widen_bf16(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float weight_at(int bf16, const void *w, int64_t i) {
     return bf16 ? widen_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
-
-#if defined(__AVX512F__)
-#define LANES 16
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline vec vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__)
-#define LANES 8
-typedef __m256 vec;
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline vec vload_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
 
 #ifdef LANES
 /* Ask for the next pass's four rows, PREFETCH_BYTES ahead of where this pass reads (`at`: row 0 of this pass at

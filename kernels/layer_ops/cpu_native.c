@@ -19,12 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "../cpu_vectors.h"  /* widen_bf16, exp_clamped */
 
 static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even (torch's rounding) */
     uint32_t u;
@@ -32,37 +27,15 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even (to
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float rounded(int bf16, float f) { return bf16 ? from_bf16(to_bf16(f)) : f; }
+static inline float rounded(int bf16, float f) { return bf16 ? widen_bf16(to_bf16(f)) : f; }
 
 static inline float load(int bf16, const void *p, int64_t i) {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void put(int bf16, void *p, int64_t i, float v) {
     if (bf16) ((uint16_t *)p)[i] = to_bf16(v);
     else ((float *)p)[i] = v;
-}
-
-/* e^x, written so that a loop of it vectorizes: libm's expf is one call per value, and SiLU takes one per
- * element (47 million in a 1,024-token prefill of SmolLM2), which made a scalar loop slower than torch's
- * vectorized exp. Cephes' method, as kernels/paged_attention/cpu_native.c's exp_nonpositive, with x clamped to
- * [-87, 88] (e^-87 and e^88 are still normal floats; SiLU is 0 or x beyond). Relative error about 1e-7. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : x;  /* (not fminf/fmaxf: their NaN rules keep GCC from vectorizing the loop) */
-    x = x > 88.0f ? 88.0f : x;
-    float n = rintf(x * 1.44269504088896341f);  /* x / ln2, to the nearest integer */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* x - n ln2, ln2 split in two for precision */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n as a float: -126 <= n <= 127 here */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
 }
 
 /* The row functions below take `bf16` as a compile-time constant (they are inlined into an if/else), so that

@@ -37,9 +37,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "../cpu_vectors.h"  /* widen_bf16, exp_clamped, the vector layer (vec, vload, vfma, vsum, ...) */
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
@@ -47,40 +46,11 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 #define CACHE_LINE 64
 #define MAX_GROUP 16  /* query heads per KV head in one work item (more: several items, K and V read again) */
 #define MAX_HEAD_DIM 256  /* the register version's largest head; larger heads take the plain-C one */
-#define EXP_MIN_ARG (-87.0f)  /* e^-87 ~ 1.6e-38, still a normal float; a softmax weight below it is 0 anyway */
-
-/* e^x for x <= 0 (a softmax's x - max), written so that the compiler can vectorize a loop of it: libm's
- * expf is one call per value, and with ~1,000 scores per head it was most of the kernel's time. Cephes'
- * method: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^n put into the exponent bits.
- * Relative error about 1e-7, fp32's own rounding. */
-static inline float exp_nonpositive(float x) {
-    x = x > EXP_MIN_ARG ? x : EXP_MIN_ARG;  /* not fmaxf: GCC does not vectorize a loop that calls it */
-    float n = rintf(x * 1.44269504088896341f);  /* x / ln2, to the nearest integer */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* x - n ln2, ln2 split in two for precision */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n as a float: n >= -126 here, a normal number */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 /* ---- loading one head's row of one token as fp32 --------------------------------------------------------
  * The row of KV head h at pool slot `slot` starts at element (slot * Hkv + h) * D. fp32 pools are read as
  * they are; bf16 is widened (a bf16 is the top half of an fp32: zero-extend, shift left by 16); int8 is
  * multiplied by its fp32 scale (one per token and head). */
-static inline float widen_bf16(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float kv_at(int kind, const void *pool, int64_t i, float s) {
     if (kind == KV_F32) return ((const float *)pool)[i];
     if (kind == KV_BF16) return widen_bf16(((const uint16_t *)pool)[i]);
@@ -134,7 +104,7 @@ static void softmax_rows(float *scores, int64_t rows, int64_t L) {
 #pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < L; t++) m = sj[t] > m ? sj[t] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; t++) { sj[t] = exp_nonpositive(sj[t] - m); sum += sj[t]; }
+        for (int64_t t = 0; t < L; t++) { sj[t] = exp_clamped(sj[t] - m); sum += sj[t]; }
         float inv = 1.0f / sum;
 #pragma omp simd
         for (int64_t t = 0; t < L; t++) sj[t] *= inv;
@@ -176,46 +146,6 @@ static void attend_head_plain(const Head *a, const int64_t *slots, const float *
  * A head row of D floats is D / LANES vectors. The gc queries (pass 1) and the gc accumulators (pass 2) stay in
  * registers, or in L1 when they do not fit: only K and V come from memory, each row once. Row by row, the
  * vector of q_j . k_t's partial sums is added across its lanes (one horizontal add per score). */
-#if defined(__AVX512F__)
-#define LANES 16
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vset1(float x) { return _mm512_set1_ps(x); }
-static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
-static inline vec vload_bf16(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-static inline vec vload_int8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define LANES 8
-typedef __m256 vec;
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vset1(float x) { return _mm256_set1_ps(x); }
-static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
-static inline vec vload_bf16(const uint16_t *p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-static inline vec vload_int8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
 #ifdef LANES
 #define MAX_VECS (MAX_HEAD_DIM / LANES)
 

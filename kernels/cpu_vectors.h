@@ -1,0 +1,94 @@
+/* What the CPU kernels (kernels/<op>/cpu_native.c) share: bf16 widening, a vectorizable exp, and a thin layer
+ * over the vector registers, so that a kernel is written once for AVX-512 (16 fp32 lanes) and AVX2 (8 lanes).
+ *
+ *     vec            one register of LANES fp32 values (LANES undefined: no vector build, plain C only)
+ *     vload/vstore   fp32 from/to memory;  vload_bf16: LANES bf16 widened to fp32;  vload_int8: int8 to fp32
+ *     vzero, vset1   all zeros, one value in every lane
+ *     vmul, vfma     a * b;  a * b + c (one rounding)
+ *     vsum           the LANES values added together (a horizontal sum)
+ *
+ * Which set is built depends on the compiler flags (kernels/toolchain.py c_flags). A kernel includes this file
+ * as "../cpu_vectors.h"; the compiled library's cache key covers the header too (toolchain.build_c_library).
+ */
+#ifndef SERVELAB_CPU_VECTORS_H
+#define SERVELAB_CPU_VECTORS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* A bf16 is the top half of an fp32: put its 16 bits on top, zeros below. */
+static inline float widen_bf16(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* e^x, written so that a loop of it vectorizes: libm's expf is one call per value, which made a softmax over
+ * ~1,000 scores per head, or SiLU over every element of a prefill, slower than torch's vectorized exp. Cephes'
+ * method: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^n put into the exponent bits; x
+ * clamped to [-87, 88] (e^-87 and e^88 are still normal floats; a softmax weight or a SiLU gate beyond them is
+ * 0 or x anyway). Relative error about 1e-7, fp32's own rounding. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : x;  /* (not fminf/fmaxf: their NaN rules keep GCC from vectorizing the loop) */
+    x = x > 88.0f ? 88.0f : x;
+    float n = rintf(x * 1.44269504088896341f);  /* x / ln2, to the nearest integer */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;  /* x - n ln2, ln2 split in two for precision */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n as a float: -126 <= n <= 127 here */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset1(float x) { return _mm512_set1_ps(x); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vload_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline vec vload_int8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset1(float x) { return _mm256_set1_ps(x); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vload_bf16(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vec vload_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#endif
