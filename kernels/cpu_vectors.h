@@ -5,7 +5,7 @@
  *     vload/vstore   fp32 from/to memory;  vload_bf16: LANES bf16 widened to fp32;  vload_int8: int8 to fp32
  *     vzero, vset1   all zeros, one value in every lane
  *     vmul, vfma     a * b;  a * b + c (one rounding)
- *     vsum           the LANES values added together (a horizontal sum)
+ *     vsum           the LANES values added together (a horizontal sum);  vsum4: four of them at once, as __m128
  *
  * Which set is built depends on the compiler flags (kernels/toolchain.py c_flags). A kernel includes this file
  * as "../cpu_vectors.h"; the compiled library's cache key covers the header too (toolchain.build_c_library).
@@ -68,6 +68,16 @@ static inline vec vload_int8(const int8_t *p) {
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+/* The sums of four vectors at once, [sum a, sum b, sum c, sum d]: 10 shuffles and adds where four vsum's take 24.
+ * Within each 128-bit lane, pairs first (unpack), then the four (shuffle), then the lanes added together. */
+static inline __m128 vsum4(vec a, vec b, vec c, vec d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  /* a0+a2 b0+b2 a1+a3 b1+b3 */
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  /* a b c d of each lane */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 typedef __m256 vec;
@@ -88,6 +98,13 @@ static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline __m128 vsum4(vec a, vec b, vec c, vec d) {  /* as in the AVX-512 build, over two 128-bit lanes */
+    __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    __m256 s = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 #endif
 

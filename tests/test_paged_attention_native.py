@@ -85,6 +85,29 @@ def test_more_query_heads_per_kv_head_than_one_work_item_takes(num_heads, num_kv
     assert_close(paged_decode_attention(**inputs, backend="native"), paged_decode_attention_ref(**inputs))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_every_compiled_group_and_head_size_equals_the_reference(kind, group, head_dim):
+    """The kernel has one copy per (pool dtype, query heads per KV head in 1, 2, 3, 4, 8, head size 64 or 128),
+    and run-time sizes for the rest (group 5 here). Pass 1 takes four tokens at a time: lengths 1-3 are the tail
+    loop alone, 4 and 8 no tail, the others both; a window makes the first visible position odd."""
+    lengths, kv_heads = [1, 2, 3, 4, 5, 7, 8, 33, 130], 2
+    for window in (None, 6):
+        if kind == "int8":
+            inputs, scales, _, _ = int8_cache(lengths, 16, num_heads=group * kv_heads, num_kv_heads=kv_heads,
+                                              head_dim=head_dim)
+            torch.testing.assert_close(
+                paged_decode_attention(**inputs, backend="native", scales=scales, sliding_window=window),
+                paged_decode_attention_ref(**inputs, scales=scales, sliding_window=window), atol=1e-5, rtol=1e-5)
+            continue
+        inputs, _, _ = windowed_cache(lengths, 16, window or 10**6, num_heads=group * kv_heads,
+                                      num_kv_heads=kv_heads, head_dim=head_dim,
+                                      dtype=torch.float32 if kind == "fp32" else torch.bfloat16)
+        assert_close(paged_decode_attention(**inputs, backend="native", sliding_window=window),
+                     paged_decode_attention_ref(**inputs, sliding_window=window))
+
+
 BUILDS = {"plain C": toolchain.C_FLAGS, "AVX2": toolchain.C_FLAGS + toolchain.AVX2_FLAGS}
 
 
@@ -97,9 +120,9 @@ def test_the_other_builds_equal_the_reference_too(build, dtype, monkeypatch, tmp
     monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
     lib = cpu_native.load_library(flags=BUILDS[build])
     monkeypatch.setattr(cpu_native, "_library", lambda: lib)
-    for head_dim in (12, 64):
-        inputs, _, _ = make_paged_cache([1, 16, 45, 130], 16, num_heads=9, num_kv_heads=3, head_dim=head_dim,
-                                        dtype=dtype, seed=4)
+    for head_dim, heads, kv_heads in ((12, 9, 3), (64, 9, 3), (128, 8, 2), (64, 10, 2)):  # groups of 3, 4, 5
+        inputs, _, _ = make_paged_cache([1, 3, 16, 45, 130], 16, num_heads=heads, num_kv_heads=kv_heads,
+                                        head_dim=head_dim, dtype=dtype, seed=4)
         assert_close(paged_decode_attention_native(**inputs), paged_decode_attention_ref(**inputs))
     inputs, scales, _, _ = int8_cache([3, 40], 8, num_heads=4, num_kv_heads=2, head_dim=16)
     torch.testing.assert_close(paged_decode_attention_native(**inputs, scales=scales),
