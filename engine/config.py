@@ -275,8 +275,9 @@ class CacheConfig:
 # oracle of every kernel test; "sdpa" computes the same thing (equal up to float rounding) through torch's
 # fused attention, a whole step's decodes in one call: on a CPU it was 1.2-1.3x the reference's offline
 # tokens/s and 2-3x its prefill tokens/s (SmolLM2-135M; benchmarks/attention_backends.py, vs_vllm.py).
-# "native" runs decode in C straight from the pools (no gather copies; kernels/paged_attention/cpu_native.c)
-# and prefill as sdpa. "auto" picks native where it can run (a CPU, a C compiler, fp32/bf16/int8 pools), else
+# "native" runs decode in C straight from the pools (no gather copies; kernels/paged_attention/cpu_native.c),
+# whole prompts through the C flash-prefill kernel (kernels/flash_prefill/cpu_native.c) and other prefill chunks
+# as sdpa. "auto" picks native where it can run (a CPU, a C compiler, fp32/bf16/int8 pools), else
 # sdpa, silently: either way the numbers are the reference's up to float rounding.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "native", "triton", "cuda")
 DEFAULT_ATTENTION_BACKEND = "auto"

@@ -28,7 +28,10 @@ from engine.block_manager import BlockManager, BlockMove
 from engine.kv_pool import PagedKVPool
 from engine.model import LlamaModel
 from engine.native_layers import NativeLayers, native_layers_or_none
+from engine.packed_linear import bf16_instructions
 from engine.scheduler import ScheduledWork
+from kernels.flash_prefill.cpu_native import flash_prefill_planned
+from kernels.flash_prefill.cpu_native import why_native_cannot_run as why_c_prefill_cannot_run
 from kernels.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
@@ -54,6 +57,11 @@ from kernels.paged_attention.sdpa import (
 )
 
 INDEX = torch.int32  # block tables and lengths, as the paged kernels expect
+# The native backend's whole prompts go to the C flash-prefill kernel (kernels/flash_prefill/cpu_native.c), all of
+# a step's in one call, except bf16 prompts of this many tokens or more where the CPU has bf16 instructions: there
+# torch's flash kernel (AMX) overtook the C kernel's fp32 FMAs at ~500 tokens (Sapphire Rapids, 2 threads: C 1.2-1.9x
+# faster at 100-255 tokens, 0.94x at 511, 0.58x at 1,023). fp32 prompts: C 1.1-1.8x faster up to 2,048 tokens.
+C_PREFILL_BF16_MAX_TOKENS = 512
 
 
 @dataclass
@@ -87,6 +95,8 @@ class StepPlans:
 
     decode: DecodePlan | NativeDecodePlan | None
     prefills: list[PrefillPlan]
+    c_prefill: Tensor | None = None  # [B, 2] int64 (lo, hi): the whole prompts the C flash-prefill kernel takes
+    c_chunks: frozenset = frozenset()  # their indices in meta.prefills
 
 
 class PagedAttention:
@@ -94,7 +104,8 @@ class PagedAttention:
 
     It holds no tensors of its own: the pool (engine/kv_pool.py) owns them and does the block
     copies. `backend`: "torch" (the reference), "sdpa" (its fast batched twin), "native" (decode in C
-    straight from the pools, prefill as sdpa), "triton" or "cuda", or "auto": native where it can run (a
+    straight from the pools, a step's whole prompts in one C flash-prefill call, other prefill chunks as sdpa),
+    "triton" or "cuda", or "auto": native where it can run (a
     CPU, a C compiler, fp32/bf16/int8 pools), else sdpa. A named backend that cannot run falls back with
     a warning ("native" to "sdpa", the others to "torch").
     """
@@ -145,7 +156,24 @@ class PagedAttention:
                                  self.sliding_window)
         prefills = [plan_prefill(q[c.lo:c.hi], k_pool, v_pool, c.block_table, c.positions, self.scale,
                                  self.sliding_window, scales) for c in meta.prefills]
-        return StepPlans(decode, prefills)
+        picked = self._c_prefill_chunks(meta, prefills, q, k_pool.dtype, scales)
+        if not picked:
+            return StepPlans(decode, prefills)
+        bounds = torch.tensor([(meta.prefills[i].lo, meta.prefills[i].hi) for i in picked], dtype=torch.int64)
+        return StepPlans(decode, prefills, bounds, frozenset(picked))
+
+    def _c_prefill_chunks(self, meta: AttentionMetadata, prefills: list[PrefillPlan], q: Tensor,
+                          pool_dtype: torch.dtype, scales) -> list[int]:
+        """The prefill chunks the C flash-prefill kernel takes: whole prompts (no mask: query i at position i, no
+        window) whose fresh K/V are what the pools hold (float pools of the model's dtype), on the native backend;
+        see C_PREFILL_BF16_MAX_TOKENS for bf16."""
+        if self.backend != "native" or not meta.prefills or scales is not None or q.dtype != pool_dtype:
+            return []
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2] or why_c_prefill_cannot_run(q) is not None:
+            return []
+        long_bf16 = C_PREFILL_BF16_MAX_TOKENS if q.dtype == torch.bfloat16 and bf16_instructions() else None
+        return [i for i, (c, plan) in enumerate(zip(meta.prefills, prefills, strict=True))
+                if plan.mask is None and (long_bf16 is None or c.hi - c.lo < long_bf16)]
 
     def _forward_planned(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         """The sdpa and native backends: the same work as `forward`, with the step's checks and indices done
@@ -163,10 +191,14 @@ class PagedAttention:
         decode = decode_native_planned if self.backend == "native" else decode_planned
         if plans.decode is not None and not plans.prefills:  # a pure decode step: no copy into `out`
             return decode(q, k_pool, v_pool, plans.decode, self.scale, scales)[None]
-        out = torch.empty_like(q)  # [N, H, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D] contiguous
         if plans.decode is not None:
             out[meta.decode_rows] = decode(q[meta.decode_rows], k_pool, v_pool, plans.decode, self.scale, scales)
-        for chunk, plan in zip(meta.prefills, plans.prefills, strict=True):
+        if plans.c_prefill is not None:  # the whole prompts, straight from the QKV projection's rows into `out`
+            flash_prefill_planned(q, k, v, self.scale, plans.c_prefill, out)
+        for i, (chunk, plan) in enumerate(zip(meta.prefills, plans.prefills, strict=True)):
+            if i in plans.c_chunks:
+                continue
             rows = slice(chunk.lo, chunk.hi)
             out[rows] = prefill_planned(q[rows], k_pool, v_pool, plan, self.scale, scales, fresh=(k[rows], v[rows]))
         return out[None]  # [1, N, H, D]

@@ -4,7 +4,8 @@
  *     vec            one register of LANES fp32 values (LANES undefined: no vector build, plain C only)
  *     vload/vstore   fp32 from/to memory;  vload_bf16: LANES bf16 widened to fp32;  vload_int8: int8 to fp32
  *     vzero, vset1   all zeros, one value in every lane
- *     vmul, vfma     a * b;  a * b + c (one rounding)
+ *     vmul, vfma     a * b;  a * b + c (one rounding);  vadd, vsub, vmax: lane by lane
+ *     vexp           exp_clamped on every lane;  vmax_all: the largest lane
  *     vsum           the LANES values added together (a horizontal sum);  vsum4: four of them at once, as __m128
  *
  * Which set is built depends on the compiler flags (kernels/toolchain.py c_flags). A kernel includes this file
@@ -68,6 +69,26 @@ static inline vec vload_int8(const int8_t *p) {
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline float vmax_all(vec v) { return _mm512_reduce_max_ps(v); }
+/* exp_clamped on every lane (the same method and constants) */
+static inline vec vexp(vec x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    vec p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
 /* The sums of four vectors at once, [sum a, sum b, sum c, sum d]: 10 shuffles and adds where four vsum's take 24.
  * Within each 128-bit lane, pairs first (unpack), then the four (shuffle), then the lanes added together. */
 static inline __m128 vsum4(vec a, vec b, vec c, vec d) {
@@ -98,6 +119,29 @@ static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline float vmax_all(vec v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec vexp(vec x) {  /* as in the AVX-512 build */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+    vec p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 static inline __m128 vsum4(vec a, vec b, vec c, vec d) {  /* as in the AVX-512 build, over two 128-bit lanes */
     __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
