@@ -5,7 +5,8 @@
  *     vload/vstore   fp32 from/to memory;  vload_bf16: LANES bf16 widened to fp32;  vload_int8: int8 to fp32
  *     vzero, vset1   all zeros, one value in every lane
  *     vmul, vfma     a * b;  a * b + c (one rounding);  vadd, vsub, vmax: lane by lane
- *     vexp           exp_clamped on every lane;  vmax_all: the largest lane
+ *     vexp           exp_clamped on every lane;  vmax_all: the largest lane;  vdiv: a / b
+ *     vround_bf16    each lane rounded to bf16 (as fp32);  vstore_bf16: LANES rounded values stored as bf16
  *     vsum           the LANES values added together (a horizontal sum);  vsum4: four of them at once, as __m128
  *
  * Which set is built depends on the compiler flags (kernels/toolchain.py c_flags). A kernel includes this file
@@ -73,6 +74,18 @@ static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 static inline float vmax_all(vec v) { return _mm512_reduce_max_ps(v); }
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+/* Every lane rounded to the nearest bf16 (ties to even, torch's rounding), still as fp32 */
+static inline vec vround_bf16(vec x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+/* The top halves of LANES fp32 values (already rounded: vround_bf16) stored as LANES bf16 */
+static inline void vstore_bf16(uint16_t *p, vec x) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
 /* exp_clamped on every lane (the same method and constants) */
 static inline vec vexp(vec x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -127,6 +140,18 @@ static inline float vmax_all(vec v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline vec vround_bf16(vec x) {  /* as in the AVX-512 build */
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void vstore_bf16(uint16_t *p, vec x) {
+    __m256i top = _mm256_srli_epi32(_mm256_castps_si256(x), 16);  /* 8 values of 16 bits, in 32-bit lanes */
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
 }
 static inline vec vexp(vec x) {  /* as in the AVX-512 build */
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

@@ -9,6 +9,7 @@ from engine_fixtures import mixed_workload, naive_outputs, random_model, run_eng
 
 from engine.model import RMSNorm, apply_rope
 from engine.native_ops import NativeAttention, NativeMLP, NativeRMSNorm
+from kernels import toolchain
 from kernels.layer_ops import (
     argmax_rows_native,
     rms_norm_native,
@@ -16,6 +17,7 @@ from kernels.layer_ops import (
     silu_mul_native,
     why_layer_ops_cannot_run,
 )
+from kernels.layer_ops import cpu_native as layer_ops_native
 
 pytestmark = pytest.mark.skipif(why_layer_ops_cannot_run(torch.zeros(1)) is not None,
                                 reason=f"no C layer ops here: {why_layer_ops_cannot_run(torch.zeros(1))}")
@@ -47,10 +49,29 @@ def test_rms_norm_equals_the_models(dtype):
     assert_matches(rms_norm_native(strided, small.weight.detach(), small.eps), small(strided))
 
 
+@pytest.mark.parametrize("width", [5, 40, 300])  # the scalar tail alone; vectors and a tail (8 or 16 lanes)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_equals_silu_of_gate_times_up(dtype):
+def test_silu_mul_equals_silu_of_gate_times_up(dtype, width):
     torch.manual_seed(1)
-    gu = (torch.randn(2, 5, 2 * 40) * 3).to(dtype)
+    gu = (torch.randn(2, 5, 2 * width) * 3).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    assert_matches(silu_mul_native(gu), F.silu(gate) * up)
+
+
+BUILDS = {"plain C": toolchain.C_FLAGS, "AVX2": toolchain.C_FLAGS + toolchain.AVX2_FLAGS}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_other_builds_of_silu_mul_equal_torch_too(build, dtype, monkeypatch, tmp_path):
+    """SiLU's vector loop (8 lanes on AVX2, with its own bf16 rounding and packing) and the plain-C loop."""
+    if build == "AVX2" and "avx2" not in toolchain.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
+    lib = layer_ops_native.load_library(flags=BUILDS[build])
+    monkeypatch.setattr(layer_ops_native, "_library", lambda: lib)
+    torch.manual_seed(2)
+    gu = (torch.randn(3, 2 * 300) * 3).to(dtype)
     gate, up = gu.chunk(2, dim=-1)
     assert_matches(silu_mul_native(gu), F.silu(gate) * up)
 

@@ -68,10 +68,27 @@ void servelab_rms_norm(int bf16, const void *x, int64_t x_stride, const void *w,
     }
 }
 
+#ifdef LANES
+static inline __attribute__((always_inline)) vec load_vec(int bf16, const void *p, int64_t j) {
+    return bf16 ? vload_bf16((const uint16_t *)p + j) : vload((const float *)p + j);
+}
+#endif
+
+/* Written with the vector layer where there is one: GCC's own vectorization of this loop had left the bf16 model's
+ * SiLU at ~7 cycles an element (Sapphire Rapids), 2x the time of the fp32 one. */
 static inline __attribute__((always_inline)) void silu_mul_row(int bf16, const void *gate, const void *up, void *out,
                                                                 int64_t F) {
-#pragma omp simd
-    for (int64_t j = 0; j < F; j++) {
+    int64_t j = 0;
+#ifdef LANES
+    vec one = vset1(1.0f), zero = vzero();
+    for (; j + LANES <= F; j += LANES) {
+        vec g = load_vec(bf16, gate, j), u = load_vec(bf16, up, j);
+        vec s = vdiv(g, vadd(one, vexp(vsub(zero, g))));
+        if (bf16) vstore_bf16((uint16_t *)out + j, vround_bf16(vmul(vround_bf16(s), u)));
+        else vstore((float *)out + j, vmul(s, u));
+    }
+#endif
+    for (; j < F; j++) {
         float g = load(bf16, gate, j);
         put(bf16, out, j, rounded(bf16, g / (1.0f + exp_clamped(-g))) * load(bf16, up, j));
     }

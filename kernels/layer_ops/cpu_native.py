@@ -23,11 +23,11 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the C functions' `bf16` fla
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
+def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
     from kernels.toolchain import build_c_library
 
-    lib = build_c_library(C_FILE, "layer ops")
+    lib = build_c_library(C_FILE, "layer ops", flags)
     lib.servelab_rms_norm.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float]
     lib.servelab_silu_mul.argtypes = [ctypes.c_int, _ptr, _ptr, _i64, _i64]
     lib.servelab_rope.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
@@ -35,6 +35,11 @@ def _library() -> ctypes.CDLL:
     for f in (lib.servelab_rms_norm, lib.servelab_silu_mul, lib.servelab_rope, lib.servelab_argmax_rows):
         f.restype = None
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    return load_library()
 
 
 @functools.cache
