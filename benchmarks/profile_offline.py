@@ -117,7 +117,9 @@ def main(argv=None) -> None:
     notes = (__doc__.split("\n\n")[1] + "\n\n*_pct: share of the offline run's step time (StepReport.time_s); "
              "decode_bN_outside_forward_pct: median share of a pure decode step at batch N spent in scheduling, "
              "sampling and bookkeeping. Timings under the profiler are slower than without it: compare the two "
-             "rows with each other.\n\n" + "\n\n".join(tables))
+             "rows with each other. The engine's C kernels (decode and prefill attention, the layer ops, gemv: "
+             "kernels/*/cpu_native.c, called through ctypes) do not appear in torch's profiler: their time is the "
+             "part of the step that the listed ops leave.\n\n" + "\n\n".join(tables))
     write_results("profile_offline", rows, settings, notes=notes, results_dir=args.results_dir)
 
 
