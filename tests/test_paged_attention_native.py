@@ -62,6 +62,24 @@ def test_native_decode_keeps_the_storage_dtype(dtype):
     assert_close(out, paged_decode_attention_ref(**inputs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_queries_are_read_where_the_qkv_projection_left_them(dtype, threads):
+    """The engine passes q as the query columns of the fused QKV output (rows with a stride): fp32 and bf16 are read
+    in place, with the same result as a contiguous copy; other dtypes are copied to fp32 first."""
+    inputs, _, _ = make_paged_cache([3, 40, 17], 16, num_heads=9, num_kv_heads=3, head_dim=64, seed=6)
+    B, H, D = inputs["q"].shape
+    qkv = torch.randn(B, (H + 6) * D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = qkv[:, :H * D].view(B, H, D)
+    plan = cpu_native.plan_decode_native(inputs["block_tables"], inputs["seq_lens"], None)
+    pool_dtype = torch.float32 if dtype == torch.float16 else dtype  # (the kernel reads no fp16 pools)
+    pools = [inputs["k_pool"].to(pool_dtype), inputs["v_pool"].to(pool_dtype)]
+    out = cpu_native.decode_native_planned(q, *pools, plan, inputs["scale"])
+    assert out.dtype == dtype and out.is_contiguous()
+    ref = paged_decode_attention_ref(q.contiguous().to(pool_dtype), *pools, inputs["block_tables"],
+                                     inputs["seq_lens"], inputs["scale"])
+    assert_close(out, ref.to(dtype))
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_native_decode_reads_int8_pools(window):
     inputs, scales, _, _ = int8_cache([1, 5, 9, 14, 33], 4, num_heads=4, num_kv_heads=2, head_dim=8)

@@ -32,8 +32,9 @@
  * decode step (64 sequences, ~190 tokens, 30 layers, 2 threads) 22.6 ms of attention a step instead of 28.5.
  *
  * Contract (checked in Python before the call, kernels/paged_attention/reference.py check_paged_inputs):
- * q and out fp32 [B, H, D] contiguous; pools [NB, BS, Hkv, D] contiguous; scales fp32 [NB, BS, Hkv] or NULL;
- * block_tables int32 [B, table_stride]; seq_lens int32 [B] in 1..capacity; every table entry read inside
+ * q and out fp32 [B, H, D] contiguous (servelab_paged_decode), or q rows with a stride and out contiguous, both
+ * fp32 or both bf16 (servelab_paged_decode_rows: the engine's queries as the QKV projection left them); pools
+ * [NB, BS, Hkv, D] contiguous; scales fp32 [NB, BS, Hkv] or NULL; block_tables int32 [B, table_stride]; seq_lens int32 [B] in 1..capacity; every table entry read inside
  * the pool. Returns 0, or 1 when scratch memory could not be allocated.
  */
 #include <math.h>
@@ -287,10 +288,27 @@ static void attend_head(const Head *a, const int64_t *slots, const float *q, int
     attend_head_plain(a, slots, q, gc, scores, scratch, out);
 }
 
-int servelab_paged_decode(int kind, const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
-                          const float *v_scale, const int32_t *block_tables, int64_t table_stride,
-                          const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
-                          int64_t window, float scale, float *out) {
+/* Sequence b's queries as the model left them, and where its output goes: row b of q starts at q + b * q_stride
+ * (elements), its H heads side by side, fp32 or bf16 (io_bf16); out [B, H, D] contiguous in the same dtype. */
+typedef struct {
+    int bf16;
+    const void *q;
+    int64_t q_stride;
+    void *out;
+} Rows;
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even (torch's rounding) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The call behind both entry points. A work item whose rows are not fp32 in place reads its gc query rows through
+ * qbuf and writes through obuf (gc x D floats each): a bf16 model's queries need no fp32 copy of the whole batch. */
+static int paged_decode(int kind, const Rows *io, const void *k_pool, const void *v_pool, const float *k_scale,
+                        const float *v_scale, const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
+                        int64_t window, float scale) {
     int64_t max_len = 0, g = H / Hkv, chunks = (g + MAX_GROUP - 1) / MAX_GROUP, items = B * Hkv * chunks;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int failed = 0;
@@ -298,8 +316,9 @@ int servelab_paged_decode(int kind, const float *q, const void *k_pool, const vo
     {
         float *scores = malloc((size_t)(MAX_GROUP * max_len) * sizeof(float));
         float *scratch = malloc((size_t)((MAX_GROUP + 1) * D) * sizeof(float));
+        float *qbuf = malloc((size_t)(2 * MAX_GROUP * D) * sizeof(float)), *obuf = qbuf + MAX_GROUP * D;
         int64_t *slots = malloc((size_t)max_len * sizeof(int64_t));
-        if (scores == NULL || scratch == NULL || slots == NULL) {
+        if (scores == NULL || scratch == NULL || qbuf == NULL || slots == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -311,14 +330,44 @@ int servelab_paged_decode(int kind, const float *q, const void *k_pool, const vo
                 int64_t len = seq_lens[b], gc = g - j0 < MAX_GROUP ? g - j0 : MAX_GROUP;
                 Head a = {kind, k_pool, v_pool, k_scale, v_scale, block_tables + b * table_stride,
                           (window > 0 && len > window) ? len - window : 0, len, h, Hkv, D, BS, scale};
-                int64_t row = (b * H + h * g + j0) * D;  /* query head h * g + j0 of sequence b */
+                int64_t head0 = h * g + j0, at = b * io->q_stride + head0 * D;  /* query head h * g + j0 of b */
                 fill_slots(&a, slots);
-                attend_head(&a, slots, q + row, gc, scores, scratch, out + row);
+                if (!io->bf16) {
+                    attend_head(&a, slots, (const float *)io->q + at, gc, scores, scratch,
+                                (float *)io->out + (b * H + head0) * D);
+                    continue;
+                }
+                for (int64_t i = 0; i < gc * D; i++) qbuf[i] = widen_bf16(((const uint16_t *)io->q)[at + i]);
+                attend_head(&a, slots, qbuf, gc, scores, scratch, obuf);
+                uint16_t *o = (uint16_t *)io->out + (b * H + head0) * D;
+                for (int64_t i = 0; i < gc * D; i++) o[i] = to_bf16(obuf[i]);
             }
         }
         free(scores);
         free(scratch);
+        free(qbuf);
         free(slots);
     }
     return failed;
+}
+
+/* q and out fp32 [B, H, D] contiguous (what the C decoder layers pass). */
+int servelab_paged_decode(int kind, const float *q, const void *k_pool, const void *v_pool, const float *k_scale,
+                          const float *v_scale, const int32_t *block_tables, int64_t table_stride,
+                          const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
+                          int64_t window, float scale, float *out) {
+    Rows io = {0, q, H * D, out};
+    return paged_decode(kind, &io, k_pool, v_pool, k_scale, v_scale, block_tables, table_stride, seq_lens, B, H,
+                        Hkv, D, BS, window, scale);
+}
+
+/* q rows with a stride (e.g. the query columns of the fused QKV projection's output), fp32 or bf16 (io_bf16);
+ * out [B, H, D] contiguous in q's dtype. */
+int servelab_paged_decode_rows(int kind, int io_bf16, const void *q, int64_t q_stride, const void *k_pool,
+                               const void *v_pool, const float *k_scale, const float *v_scale,
+                               const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int64_t B,
+                               int64_t H, int64_t Hkv, int64_t D, int64_t BS, int64_t window, float scale, void *out) {
+    Rows io = {io_bf16, q, q_stride, out};
+    return paged_decode(kind, &io, k_pool, v_pool, k_scale, v_scale, block_tables, table_stride, seq_lens, B, H,
+                        Hkv, D, BS, window, scale);
 }

@@ -29,6 +29,7 @@ from .reference import check_paged_inputs
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # pool dtype -> the C file's enum
+IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output dtype -> servelab_paged_decode_rows' io_bf16
 NO_WINDOW = 0  # the C kernel's "every position is visible"
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -42,6 +43,9 @@ def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     lib.servelab_paged_decode.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                           _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
     lib.servelab_paged_decode.restype = ctypes.c_int
+    lib.servelab_paged_decode_rows.argtypes = [ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                               _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
+    lib.servelab_paged_decode_rows.restype = ctypes.c_int
     return lib
 
 
@@ -83,19 +87,21 @@ def plan_decode_native(block_tables, seq_lens, sliding_window: int | None) -> Na
 
 
 def decode_native_planned(q, k_pool, v_pool, plan: NativeDecodePlan, scale: float, scales=None):
-    """One layer, nothing re-checked: q [B, H, D] -> [B, H, D] in q's dtype."""
+    """One layer, nothing re-checked: q [B, H, D] -> [B, H, D] contiguous in q's dtype. fp32 and bf16 queries are
+    read where they lie (rows with any stride, e.g. the query columns of the fused QKV output; each row's heads side
+    by side); others are copied to fp32 first, the kernel's arithmetic."""
     B, H, D = q.shape
     _, BS, Hkv, _ = k_pool.shape
-    q32 = q.float().contiguous()  # the reference's arithmetic is fp32 (a no-op for fp32 q)
-    out = torch.empty_like(q32)
+    io = q if q.dtype in IO_DTYPES and q.stride(2) == 1 and (H == 1 or q.stride(1) == D) else q.float().contiguous()
+    out = torch.empty((B, H, D), dtype=io.dtype)
     k_scale, v_scale = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
-    failed = _library().servelab_paged_decode(
-        KV_KINDS[k_pool.dtype], q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_scale, v_scale,
-        plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr(), B, H, Hkv, D, BS,
-        plan.window, scale, out.data_ptr())
+    failed = _library().servelab_paged_decode_rows(
+        KV_KINDS[k_pool.dtype], IO_DTYPES[io.dtype], io.data_ptr(), io.stride(0), k_pool.data_ptr(),
+        v_pool.data_ptr(), k_scale, v_scale, plan.block_tables.data_ptr(), plan.block_tables.shape[1],
+        plan.seq_lens.data_ptr(), B, H, Hkv, D, BS, plan.window, scale, out.data_ptr())
     if failed:
         raise MemoryError(f"the native attention kernel could not allocate scratch for {B} sequences")
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def paged_decode_attention_native(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
