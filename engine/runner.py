@@ -64,6 +64,11 @@ INDEX = torch.int32  # block tables and lengths, as the paged kernels expect
 C_PREFILL_BF16_MAX_TOKENS = 512
 
 
+def _heads_side_by_side(t: Tensor) -> bool:
+    """[N, heads, D] rows whose heads lie next to each other (any row stride): what the C flash-prefill kernel reads."""
+    return t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+
+
 @dataclass
 class PrefillChunk:
     """Rows [lo, hi) of the packed batch are positions `positions` of one sequence."""
@@ -169,7 +174,7 @@ class PagedAttention:
         see C_PREFILL_BF16_MAX_TOKENS for bf16."""
         if self.backend != "native" or not meta.prefills or scales is not None or q.dtype != pool_dtype:
             return []
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2] or why_c_prefill_cannot_run(q) is not None:
+        if not _heads_side_by_side(q) or why_c_prefill_cannot_run(q) is not None:
             return []
         long_bf16 = C_PREFILL_BF16_MAX_TOKENS if q.dtype == torch.bfloat16 and bf16_instructions() else None
         return [i for i, (c, plan) in enumerate(zip(meta.prefills, prefills, strict=True))
@@ -194,10 +199,11 @@ class PagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D] contiguous
         if plans.decode is not None:
             out[meta.decode_rows] = decode(q[meta.decode_rows], k_pool, v_pool, plans.decode, self.scale, scales)
-        if plans.c_prefill is not None:  # the whole prompts, straight from the QKV projection's rows into `out`
+        c_chunks = plans.c_chunks if _heads_side_by_side(k) and _heads_side_by_side(v) else frozenset()
+        if c_chunks:  # the whole prompts, straight from the QKV projection's rows into `out`
             flash_prefill_planned(q, k, v, self.scale, plans.c_prefill, out)
         for i, (chunk, plan) in enumerate(zip(meta.prefills, plans.prefills, strict=True)):
-            if i in plans.c_chunks:
+            if i in c_chunks:
                 continue
             rows = slice(chunk.lo, chunk.hi)
             out[rows] = prefill_planned(q[rows], k_pool, v_pool, plan, self.scale, scales, fresh=(k[rows], v[rows]))

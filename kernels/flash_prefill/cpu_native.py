@@ -59,7 +59,7 @@ def why_native_cannot_run(q: torch.Tensor) -> str | None:
 
 def _rows_of_heads(name: str, t: torch.Tensor) -> None:
     """The C kernel reads row i, head h at data_ptr + i * stride(0) + h * D: heads side by side in a row."""
-    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+    if t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != t.shape[2]):
         raise ValueError(f"{name}: each row's heads must lie side by side (strides (*, {t.shape[2]}, 1)), "
                          f"got strides {tuple(t.stride())}")
 
