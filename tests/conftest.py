@@ -25,6 +25,15 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """The C kernels share torch's OpenMP pool: a test taking this fixture runs with one and with two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     no_nvcc = pytest.mark.skip(reason="needs the CUDA compiler nvcc on PATH")

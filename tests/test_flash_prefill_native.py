@@ -16,14 +16,6 @@ pytestmark = pytest.mark.skipif(why_library_cannot_load() is not None,
                                 reason=f"the C kernel cannot be built here: {why_library_cannot_load()}")
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def fused_qkv(num_tokens, heads, kv_heads, head_dim, dtype=torch.float32, seed=0):
     """q, k, v as column slices of one [N, (H + 2 Hkv) * D] tensor, as the fused QKV projection leaves them."""
     g = torch.Generator().manual_seed(seed)

@@ -26,15 +26,6 @@ pytestmark = pytest.mark.skipif(why_library_cannot_load() is not None,
                                 reason=f"the C kernel cannot be built here: {why_library_cannot_load()}")
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    """The C kernel shares torch's OpenMP pool: the sequences are split between its threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("window", [None, 1, 5, 100])
 def test_native_decode_equals_the_reference(num_heads, num_kv_heads, window, threads):
