@@ -1,8 +1,10 @@
 """Paged attention on the CPU: the readable reference (one sequence at a time), the "sdpa" backend (one gather,
 one fused F.scaled_dot_product_attention) and the "native" C decode kernel (reads the pools through the block
 tables, no copy), side by side in one run: decode (B sequences, one query each) and prefill (one sequence: a
-whole prompt, which takes SDPA's causal flash path, and a chunk after a cached prefix, which needs a mask;
-"native" runs prefill as sdpa does, so it has no prefill column).
+whole prompt, which takes SDPA's causal flash path, and a chunk after a cached prefix, which needs a mask; and a
+step's 64 whole prompts of 32-256 tokens). For whole prompts "native" is the C flash-prefill kernel
+(kernels/flash_prefill/cpu_native.c) on the prompt's fresh K/V, as the engine runs it; a chunk after a cached
+prefix is sdpa's in both backends, so it has no native column.
 
 Decode is timed twice. "public call": the backends' public functions, which check the tables and build
 their indices on every call. "per layer, cold": what the engine pays per layer once the step is planned
@@ -30,6 +32,8 @@ import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
 from engine.timing import cache_flusher, interleaved_medians_ms  # noqa: E402
+from kernels.flash_prefill.cpu_native import flash_prefill_native  # noqa: E402
+from kernels.flash_prefill.reference import causal_attention_naive  # noqa: E402
 from kernels.paged_attention.cpu_native import (  # noqa: E402
     decode_native_planned,
     paged_decode_attention_native,
@@ -38,6 +42,7 @@ from kernels.paged_attention.cpu_native import (  # noqa: E402
 )
 from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
 from kernels.paged_attention.sdpa import (  # noqa: E402
+    _attend_causal,
     decode_planned,
     paged_decode_attention_sdpa,
     paged_prefill_attention_sdpa,
@@ -47,6 +52,7 @@ from kernels.paged_attention.sdpa import (  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = [(1, 256), (16, 256), (16, 1024), (64, 256)]  # (sequences, longest context)
 PREFILL_CASES = [(0, 512), (0, 1024), (512, 1024)]  # queries at positions [start, end) of one sequence
+PROMPTS, PROMPT_LENGTHS = 64, (32, 256)  # a step's whole prompts (vs_vllm.py's offline workload)
 REPEATS, QUICK_REPEATS = 40, 8
 
 
@@ -93,17 +99,47 @@ def time_case(batch: int, context: int, repeats: int, flush: torch.Tensor, nativ
            "x_sdpa_vs_reference": ms["reference"] / ms["sdpa"],
            "cold_layer_sdpa_ms": cold["sdpa"], "cold_layer_native_ms": cold.get("native")}
     row["x_native_vs_sdpa_cold_layer"] = cold["sdpa"] / cold["native"] if native else None
+    row["x_native_vs_sdpa"] = ms["sdpa"] / ms["native"] if native else None
     return row
 
 
-def time_prefill_case(start: int, end: int, repeats: int) -> dict:
+def time_prefill_case(start: int, end: int, repeats: int, native: bool) -> dict:
     x = make_prefill_inputs(start, end)
-    ms = time_calls({"reference": lambda: paged_prefill_attention_ref(**x),
-                     "sdpa": lambda: paged_prefill_attention_sdpa(**x)}, max(2, repeats // 4))
-    return {"kind": "prefill", "sequences": 1, "queries": f"positions {start}-{end - 1}",
-            "reference_ms": ms["reference"], "sdpa_ms": ms["sdpa"], "native_ms": None,
+    fns = {"reference": lambda: paged_prefill_attention_ref(**x), "sdpa": lambda: paged_prefill_attention_sdpa(**x)}
+    if native and start == 0:  # a whole prompt: the engine hands the C kernel the K/V it has just computed
+        blocks = x["block_table"].long()
+        k, v = (pool[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[:end].clone() for pool in (x["k_pool"], x["v_pool"]))
+        fns["native"] = lambda: flash_prefill_native(x["q"], k, v, x["scale"])
+    ms = time_calls(fns, max(2, repeats // 4))
+    return prefill_row(f"1 prompt, positions {start}-{end - 1}", ms)
+
+
+def time_prompts_case(repeats: int, native: bool) -> dict:
+    """A prefill step of PROMPTS whole prompts: sdpa is one fused call per prompt (the engine's path before the C
+    kernel), native one C call for all of them; the reference is the naive attention, prompt by prompt."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(PROMPT_LENGTHS[0], PROMPT_LENGTHS[1] + 1, (PROMPTS,), generator=g).tolist()
+    bounds = [(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(PROMPTS)]
+    q = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=g)
+    k, v = (torch.randn(sum(lengths), KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    scale = HEAD_DIM ** -0.5
+
+    def each(attend):
+        return torch.cat([attend(q[lo:hi], k[lo:hi], v[lo:hi]) for lo, hi in bounds])
+    fns = {"reference": lambda: each(lambda a, b, c: causal_attention_naive(a, b, c, scale)),
+           "sdpa": lambda: each(lambda a, b, c: _attend_causal(a[None], b[None], c[None], scale)[0])}
+    if native:
+        fns["native"] = lambda: flash_prefill_native(q, k, v, scale, bounds)
+    ms = time_calls(fns, max(2, repeats // 4))
+    return prefill_row(f"{PROMPTS} prompts of {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens", ms)
+
+
+def prefill_row(queries: str, ms: dict) -> dict:
+    return {"kind": "prefill", "sequences": 1 if queries.startswith("1 ") else PROMPTS, "queries": queries,
+            "reference_ms": ms["reference"], "sdpa_ms": ms["sdpa"], "native_ms": ms.get("native"),
             "x_sdpa_vs_reference": ms["reference"] / ms["sdpa"], "cold_layer_sdpa_ms": None,
-            "cold_layer_native_ms": None, "x_native_vs_sdpa_cold_layer": None}
+            "cold_layer_native_ms": None, "x_native_vs_sdpa_cold_layer": None,
+            "x_native_vs_sdpa": ms["sdpa"] / ms["native"] if "native" in ms else None}
 
 
 def cpu_flag_summary() -> str:
@@ -126,7 +162,8 @@ def main(argv=None) -> None:
         print(f"the native kernel cannot run here ({why_not}): its columns stay empty")
     flush = cache_flusher()
     rows = [time_case(b, c, repeats, flush, why_not is None) for b, c in CASES]
-    rows += [time_prefill_case(start, end, repeats) for start, end in PREFILL_CASES]
+    rows += [time_prefill_case(start, end, repeats, why_not is None) for start, end in PREFILL_CASES]
+    rows.append(time_prompts_case(repeats, why_not is None))
     settings = dict(quick=args.quick, repeats=repeats, cpu_flags=cpu_flag_summary(),
                     heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                     block_size=BLOCK, dtype="float32", torch=torch.__version__, torch_threads=1,
@@ -139,7 +176,9 @@ def main(argv=None) -> None:
              "Decode: sdpa gathers every table into a padded [B, L, Hkv, D] copy, zeroes the slots a sequence "
              "does not own, and runs one masked SDPA with the g = H / Hkv query heads of a KV head folded into "
              "the query axis; the reference loops over sequences and repeats K/V for GQA. Prefill of a whole "
-             "prompt (positions from 0): SDPA's is_causal path, no mask; a chunk after a cached prefix: a mask.")
+             "prompt (positions from 0): SDPA's is_causal path, no mask, against (native) the C flash-prefill "
+             "kernel on the prompt's own K/V, many prompts in one call; a chunk after a cached prefix: a mask, sdpa "
+             "in both backends. x_native_vs_sdpa: the public calls, warm.")
     json_path, md_path = write_results("attention_backends", rows, settings, notes=notes,
                                        results_dir=Path(args.results_dir) if args.results_dir else None)
     print(md_path.read_text())
