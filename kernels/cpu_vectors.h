@@ -9,6 +9,9 @@
  *     vround_bf16    each lane rounded to bf16 (as fp32);  vstore_bf16: LANES rounded values stored as bf16
  *     vsum           the LANES values added together (a horizontal sum);  vsum4: four of them at once, as __m128
  *
+ * Scalar helpers beside them: widen_bf16 / to_bf16 (bf16 <-> fp32, rounding as torch does), value_at (fp32 or bf16
+ * element as fp32), exp_clamped.
+ *
  * Which set is built depends on the compiler flags (kernels/toolchain.py c_flags). A kernel includes this file
  * as "../cpu_vectors.h"; the compiled library's cache key covers the header too (toolchain.build_c_library).
  */
@@ -28,6 +31,18 @@ static inline float widen_bf16(uint16_t b) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* The nearest bf16 to f, ties to even (torch's rounding): its top 16 bits after rounding. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of an fp32 array, or of a bf16 one widened (bf16 = 1): the scalar loads of kernels that take either. */
+static inline float value_at(int bf16, const void *p, int64_t i) {
+    return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* e^x, written so that a loop of it vectorizes: libm's expf is one call per value, which made a softmax over

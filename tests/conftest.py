@@ -34,6 +34,26 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["plain C", "AVX2"])
+def other_build(request, monkeypatch, tmp_path):
+    """A C kernel build this CPU would not pick by itself (the plain-C loops, or AVX2's 8 lanes where the CPU has
+    AVX-512), compiled here on purpose into a scratch cache: ``other_build(module)`` makes that kernel module
+    (kernels/<op>/cpu_native.py) run it for the rest of the test, and returns the library."""
+    from kernels import toolchain
+
+    if request.param == "AVX2" and "avx2" not in toolchain.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    flags = toolchain.C_FLAGS + (toolchain.AVX2_FLAGS if request.param == "AVX2" else ())
+    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
+
+    def use(module):
+        lib = module.load_library(flags=flags)
+        monkeypatch.setattr(module, "_library", lambda: lib)
+        return lib
+    use.name = request.param
+    return use
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     no_nvcc = pytest.mark.skip(reason="needs the CUDA compiler nvcc on PATH")

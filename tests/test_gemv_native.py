@@ -57,17 +57,9 @@ def test_the_thread_count_does_not_change_a_bit():
     assert torch.equal(*outs)
 
 
-BUILDS = {"plain C": toolchain.C_FLAGS, "AVX2": toolchain.C_FLAGS + toolchain.AVX2_FLAGS}
-
-
-@pytest.mark.parametrize("build", list(BUILDS))
-def test_the_other_builds_equal_linear_too(build, monkeypatch, tmp_path):
+def test_the_other_builds_equal_linear_too(other_build):
     """The AVX2 loop (8 lanes) that CPUs without AVX-512 run, and the plain-C loop, built here on purpose."""
-    if build == "AVX2" and "avx2" not in toolchain.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
-    lib = cpu_native.load_library(flags=BUILDS[build])
-    monkeypatch.setattr(cpu_native, "_library", lambda: lib)
+    other_build(cpu_native)
     for dtype in (torch.float32, torch.bfloat16):
         w, x, b = torch.randn(13, 45).to(dtype), torch.randn(6, 45), torch.randn(13)
         torch.testing.assert_close(gemv_native(x, w, b), oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)

@@ -13,7 +13,6 @@ from test_paged_attention import GQA, assert_close, make_paged_cache
 from test_sliding_window import windowed_cache
 
 from engine.llm_engine import LLMEngine, engine_config
-from kernels import toolchain
 from kernels.paged_attention import cpu_native, paged_decode_attention, paged_prefill_attention, resolve_backend
 from kernels.paged_attention.cpu_native import (
     paged_decode_attention_native,
@@ -117,18 +116,10 @@ def test_every_compiled_group_and_head_size_equals_the_reference(kind, group, he
                      paged_decode_attention_ref(**inputs, sliding_window=window))
 
 
-BUILDS = {"plain C": toolchain.C_FLAGS, "AVX2": toolchain.C_FLAGS + toolchain.AVX2_FLAGS}
-
-
-@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_other_builds_equal_the_reference_too(build, dtype, monkeypatch, tmp_path):
+def test_the_other_builds_equal_the_reference_too(dtype, other_build):
     """The AVX2 version (8 lanes) that CPUs without AVX-512 run, and the plain-C loops, built here on purpose."""
-    if build == "AVX2" and "avx2" not in toolchain.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    monkeypatch.setenv(toolchain.CACHE_ENV, str(tmp_path))
-    lib = cpu_native.load_library(flags=BUILDS[build])
-    monkeypatch.setattr(cpu_native, "_library", lambda: lib)
+    other_build(cpu_native)
     for head_dim, heads, kv_heads in ((12, 9, 3), (64, 9, 3), (128, 8, 2), (64, 10, 2)):  # groups of 3, 4, 5
         inputs, _, _ = make_paged_cache([1, 3, 16, 45, 130], 16, num_heads=heads, num_kv_heads=kv_heads,
                                         head_dim=head_dim, dtype=dtype, seed=4)

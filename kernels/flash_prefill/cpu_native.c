@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cpu_vectors.h"  /* widen_bf16, exp_clamped, the vector layer (vec, vload, vfma, ...) */
+#include "../cpu_vectors.h"  /* value_at, to_bf16, exp_clamped, the vector layer (vec, vload, vfma, ...) */
 
 #define BQ 16  /* query tokens per work item */
 #define BK 32  /* keys per tile: two AVX-512 vectors (four AVX2 ones) of scores per row */
@@ -52,22 +52,12 @@ typedef struct {  /* one thread's scratch, reused by its work items */
     float *m, *l, *alpha;  /* [R] running max, running sum, this tile's rescale */
 } Scratch;
 
-static inline float load_at(int bf16, const void *p, int64_t i) {
-    return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even (torch's rounding) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Row r of the item is query head h * g + r / BQ at token t0 + r % BQ (n of the BQ tokens exist). */
 static void load_queries(const Call *c, int64_t row0, int64_t t0, int64_t n, int64_t h, int64_t g, float *q) {
     for (int64_t j = 0; j < g; j++)
         for (int64_t i = 0; i < n; i++) {
             int64_t at = (row0 + t0 + i) * c->q_stride + (h * g + j) * c->D;
-            for (int64_t d = 0; d < c->D; d++) q[(j * BQ + i) * c->D + d] = load_at(c->bf16, c->q, at + d);
+            for (int64_t d = 0; d < c->D; d++) q[(j * BQ + i) * c->D + d] = value_at(c->bf16, c->q, at + d);
         }
 }
 
@@ -84,8 +74,8 @@ static void load_kv_tile(const Call *c, int64_t row0, int64_t k0, int64_t nk, in
             continue;
         }
         int64_t ka = (row0 + k0 + j) * c->k_stride + h * D, va = (row0 + k0 + j) * c->v_stride + h * D;
-        for (int64_t d = 0; d < D; d++) kt[d * BK + j] = load_at(c->bf16, c->k, ka + d);
-        for (int64_t d = 0; d < D; d++) vt[j * D + d] = load_at(c->bf16, c->v, va + d);
+        for (int64_t d = 0; d < D; d++) kt[d * BK + j] = value_at(c->bf16, c->k, ka + d);
+        for (int64_t d = 0; d < D; d++) vt[j * D + d] = value_at(c->bf16, c->v, va + d);
     }
 }
 

@@ -27,15 +27,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../cpu_vectors.h"  /* widen_bf16 and the vector layer (vec, vload, vload_bf16, vfma, vsum, ...) */
+#include "../cpu_vectors.h"  /* value_at and the vector layer (vec, vload, vload_bf16, vfma, vsum, ...) */
 
 #define ROWS 4  /* weight rows per pass: one load of x serves four dot products */
 #define X_ROWS 4  /* rows of x per block: 4 x 4 accumulators, half the vector registers of AVX-512 */
 #define PREFETCH_BYTES 4096  /* past the next pass's position: measured 1.1x on one core (0 and 1024 alike) */
-
-static inline float weight_at(int bf16, const void *w, int64_t i) {
-    return bf16 ? widen_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-}
 
 #ifdef LANES
 /* Ask for the next pass's four rows, PREFETCH_BYTES ahead of where this pass reads (`at`: row 0 of this pass at
@@ -80,7 +76,7 @@ static inline int64_t rows_block(int bf16, const void *w, int64_t n, const float
     for (int m = 0; m < MB; m++)
         for (int i = 0; i < ROWS; i++) {
             float t = 0.0f;
-            for (int64_t k = 0; k < K; k++) t += weight_at(bf16, w, (n + i) * K + k) * x[m * K + k];
+            for (int64_t k = 0; k < K; k++) t += value_at(bf16, w, (n + i) * K + k) * x[m * K + k];
             s[m][i] = t;
         }
     return K;
@@ -103,7 +99,7 @@ static void block_outputs(int bf16, const float *x, int64_t m0, int MB, int64_t 
     for (int m = 0; m < MB; m++)
         for (int i = 0; i < ROWS; i++) {
             float t = s[m][i];
-            for (int64_t k = tail; k < K; k++) t += weight_at(bf16, w, (n + i) * K + k) * x[(m0 + m) * K + k];
+            for (int64_t k = tail; k < K; k++) t += value_at(bf16, w, (n + i) * K + k) * x[(m0 + m) * K + k];
             y[(m0 + m) * N + n + i] = t + (bias ? bias[n + i] : 0.0f);
         }
 }
@@ -116,7 +112,7 @@ void servelab_gemv(int bf16, const float *x, int64_t M, int64_t K, const void *w
             for (int64_t m = 0; m < M; m++)
                 for (int64_t i = n; i < N; i++) {
                     float t = 0.0f;
-                    for (int64_t k = 0; k < K; k++) t += weight_at(bf16, w, i * K + k) * x[m * K + k];
+                    for (int64_t k = 0; k < K; k++) t += value_at(bf16, w, i * K + k) * x[m * K + k];
                     y[m * N + i] = t + (bias ? bias[i] : 0.0f);
                 }
             continue;

@@ -19,19 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../cpu_vectors.h"  /* widen_bf16, exp_clamped */
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even (torch's rounding) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "../cpu_vectors.h"  /* widen_bf16, to_bf16, value_at, exp_clamped, the vector layer */
 
 static inline float rounded(int bf16, float f) { return bf16 ? widen_bf16(to_bf16(f)) : f; }
-
-static inline float load(int bf16, const void *p, int64_t i) {
-    return bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 static inline void put(int bf16, void *p, int64_t i, float v) {
     if (bf16) ((uint16_t *)p)[i] = to_bf16(v);
@@ -46,12 +36,12 @@ static inline __attribute__((always_inline)) void rms_norm_row(int bf16, const v
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < E; i++) {
-        float v = load(bf16, x, i);
+        float v = value_at(bf16, x, i);
         ss += v * v;
     }
     float r = 1.0f / sqrtf(ss / (float)E + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < E; i++) put(bf16, out, i, load(bf16, w, i) * rounded(bf16, load(bf16, x, i) * r));
+    for (int64_t i = 0; i < E; i++) put(bf16, out, i, value_at(bf16, w, i) * rounded(bf16, value_at(bf16, x, i) * r));
 }
 
 /* out[t] = w * (x[t] / rms(x[t])), engine/model.py RMSNorm: x / rms rounded to the model's dtype, then the
@@ -89,8 +79,8 @@ static inline __attribute__((always_inline)) void silu_mul_row(int bf16, const v
     }
 #endif
     for (; j < F; j++) {
-        float g = load(bf16, gate, j);
-        put(bf16, out, j, rounded(bf16, g / (1.0f + exp_clamped(-g))) * load(bf16, up, j));
+        float g = value_at(bf16, gate, j);
+        put(bf16, out, j, rounded(bf16, g / (1.0f + exp_clamped(-g))) * value_at(bf16, up, j));
     }
 }
 
@@ -111,7 +101,7 @@ static inline __attribute__((always_inline)) void rope_head(int bf16, void *x, c
                                                              int64_t half) {
 #pragma omp simd
     for (int64_t i = 0; i < half; i++) {
-        float x1 = load(bf16, x, i), x2 = load(bf16, x, half + i);
+        float x1 = value_at(bf16, x, i), x2 = value_at(bf16, x, half + i);
         float lo = rounded(bf16, x1 * c[i]) + rounded(bf16, -x2 * s[i]);
         float hi = rounded(bf16, x2 * c[half + i]) + rounded(bf16, x1 * s[half + i]);
         put(bf16, x, i, lo);
@@ -148,12 +138,12 @@ static inline int64_t first_index_of(int bf16, const void *row, int64_t V, float
         int hit = 0;
 #pragma omp simd reduction(| : hit)
         for (int64_t v = c; v < end; v++) {
-            float x = load(bf16, row, v);
+            float x = value_at(bf16, row, v);
             hit |= nan ? x != x : x == m;
         }
         if (!hit) continue;
         for (int64_t v = c; v < end; v++) {
-            float x = load(bf16, row, v);
+            float x = value_at(bf16, row, v);
             if (nan ? x != x : x == m) return v;
         }
     }
@@ -165,7 +155,7 @@ static inline int64_t argmax_row(int bf16, const void *row, int64_t V) {
     int nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)
     for (int64_t v = 0; v < V; v++) {
-        float x = load(bf16, row, v);
+        float x = value_at(bf16, row, v);
         m = x > m ? x : m;
         nan |= x != x;
     }

@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cpu_vectors.h"  /* widen_bf16, exp_clamped, the vector layer (vec, vload, vfma, vsum, ...) */
+#include "../cpu_vectors.h"  /* widen_bf16, to_bf16, exp_clamped, the vector layer (vec, vload, vfma, vsum4, ...) */
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
@@ -296,12 +296,6 @@ typedef struct {
     int64_t q_stride;
     void *out;
 } Rows;
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even (torch's rounding) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The call behind both entry points. A work item whose rows are not fp32 in place reads its gc query rows through
  * qbuf and writes through obuf (gc x D floats each): a bf16 model's queries need no fp32 copy of the whole batch. */
