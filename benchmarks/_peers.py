@@ -1,6 +1,6 @@
 """The peers of benchmarks/quantization.py: transformers in our process, llama.cpp in its own Python.
 
-Both are timed the way servelab is (benchmarks/quantization.py `time_model`), on the same token ids:
+Both are timed the way servelab is (benchmarks/quantization.py `time_models`), on the same token ids:
 
     prefill   one forward of the whole prompt                         -> prompt tokens / seconds
     decode    one forward per new token, greedy, EOS never stops it   -> 1 / median seconds per step

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import re
 import statistics
@@ -61,14 +62,17 @@ from benchmarks._peers import (  # noqa: E402
     time_transformers,
 )
 from engine.kv_cache import KVCache, forward_with_cache, generate_cached  # noqa: E402
+from engine.llm import LLM  # noqa: E402
 from engine.packed_linear import pack_linears  # noqa: E402
 from engine.quantization import quantize_lm_head, quantize_model, set_backend, weight_bytes_breakdown  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 SEED = 0
 FIRST_TOKEN_ID = 3  # random prompt ids from here up: 0-2 are special tokens
-FULL = dict(prompt_tokens=256, decode_steps=32, repeats=3, batches=(1, 16))
-QUICK = dict(prompt_tokens=32, decode_steps=4, repeats=1, batches=(1, 16))
+FULL = dict(prompt_tokens=256, decode_steps=32, repeats=3, engine_repeats=5, batches=(1, 16))
+QUICK = dict(prompt_tokens=32, decode_steps=4, repeats=1, engine_repeats=1, batches=(1, 16))
+# Every scheme's engine is alive at once for the round-robin timing (engine_decode_speeds): a small KV pool each.
+ENGINE_KV_BYTES = 64 * 2**20  # 1,456 tokens of fp32 KV: FULL's prompt and decode steps fit
 # label -> (how to load, quantize_model scheme or None, QuantLinear backend or None, int8 LM head?)
 SCHEMES = {
     "fp32": ("fp32", None, None, False),
@@ -81,6 +85,10 @@ SCHEMES = {
     "int8 native": ("fp32", "int8", "native", True),
     "int4-g128 native": ("fp32", "int4-g128", "native", True),
     "int4-g128 native, fp32 head": ("fp32", "int4-g128", "native", False),
+    # Weight-only quantization of our bf16 model: the same integer weights, bf16 activations and a bf16 KV pool
+    # (half the attention's bytes of the fp32 rows above): the like-for-like row against "bf16".
+    "int8 native, bf16 activations": ("bf16", "int8", "native", True),
+    "int4-g128 native, bf16 activations": ("bf16", "int4-g128", "native", True),
     "gguf blocks native": ("gguf", None, "native", True),  # the file's Q4_1 linears and its Q8_0 head
 }
 BASELINES = {"fp32": ("fp32", "fp32 packed"), "bf16": ("bf16", "bf16 packed")}  # ratios: to the faster of each
@@ -91,6 +99,7 @@ COMPARE_QUESTIONS = ("What is the capital of France?", "Write a haiku about the 
 COMPARE_TOKENS = {"full": 32, "quick": 8}
 # The issue's targets on this CPU (decode at batch 1, against our own bf16): reported, never asserted.
 TARGET_X_VS_BF16 = {"int8 packed": 2.0, "int4-g128 packed": 3.0, "int8 native": 2.0, "int4-g128 native": 3.0,
+                    "int8 native, bf16 activations": 2.0, "int4-g128 native, bf16 activations": 3.0,
                     "gguf blocks native": 3.0}
 SMALLER_BUT_NOT_FASTER = 1.2  # "x smaller" above this with decode below fp32's: question 5's case
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
@@ -118,9 +127,9 @@ def load_scheme(label: str, base):
     if how.startswith("bf16"):
         model = model.to(torch.bfloat16)
     if how.endswith("packed"):  # the bytes are the weights' own (the packed copies are the engine's working layout)
-        model_bytes = sum(weight_bytes_breakdown(model).values())
+        model_bytes, step_bytes = sum(weight_bytes_breakdown(model).values()), decode_step_bytes(model)
         model = pack_linears(model, blocks=torch.get_num_threads())
-        model.weight_bytes = model_bytes
+        model.weight_bytes, model.step_bytes = model_bytes, step_bytes
         return model
     if scheme is not None:
         with warnings.catch_warnings():  # groups of 64 where 128 does not divide K = 576: expected
@@ -131,6 +140,19 @@ def load_scheme(label: str, base):
     return model
 
 
+def decode_step_bytes(model) -> int:
+    """Weight bytes one decode step streams: the decoder linears and the whole LM head (tied or not), not the
+    embedding (one row of it is read) nor the norms. A scheme's batch-1 decode cannot beat bf16 by more than the
+    ratio of these bytes: attention, norms and sampling cost the same for both and only lower the ratio."""
+    parts = weight_bytes_breakdown(model)
+    head = getattr(model, "lm_head", None)
+    if parts["quantized lm_head"]:
+        head_bytes = parts["quantized lm_head"]
+    else:
+        head_bytes = (head.weight if head is not None else model.embed_tokens.weight).nbytes
+    return parts["quantized linears"] + parts["float linears"] + head_bytes
+
+
 def prompt_ids(batch: int, tokens: int, vocab: int) -> torch.Tensor:
     """[B, T] random token ids, the same for every scheme and peer (row 0 is the batch-1 prompt)."""
     g = torch.Generator().manual_seed(SEED)
@@ -138,24 +160,34 @@ def prompt_ids(batch: int, tokens: int, vocab: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def time_model(model, batch: int, cfg: dict) -> tuple[float, float]:
-    """(prefill seconds, median decode-step seconds) for ``batch`` random prompts."""
-    ids = prompt_ids(batch, cfg["prompt_tokens"], model.config.vocab_size)
-    cache = KVCache(model, batch=batch, capacity=cfg["prompt_tokens"] + cfg["decode_steps"] + 1)
-    t0 = time.perf_counter()
-    logits = forward_with_cache(model, cache, ids)  # [B, V]: the last position only
-    prefill_s = time.perf_counter() - t0
-    steps = []
-    for _ in range(cfg["decode_steps"]):
-        nxt = logits.reshape(batch, -1)[:, -model.config.vocab_size:].argmax(-1, keepdim=True)  # [B, 1] greedy
-        t0 = time.perf_counter()
-        logits = forward_with_cache(model, cache, nxt)
-        steps.append(time.perf_counter() - t0)
-    return prefill_s, statistics.median(steps)
+def time_models(models: dict, batch: int, cfg: dict) -> dict[str, tuple[float, float]]:
+    """Per scheme, (prefill seconds, median decode-step seconds) of ``batch`` random prompts through the readable
+    cached loop, medians over the repeats. The models' decode steps run in lockstep, one step of each in turn,
+    as in ``engine_decode_speeds``: a slow moment of the machine falls on all schemes alike."""
+    vocab = next(iter(models.values())).config.vocab_size
+    prefill = {label: [] for label in models}
+    steps = {label: [] for label in models}
+    for _ in range(1 + cfg["repeats"]):  # the first one warms up
+        ids = prompt_ids(batch, cfg["prompt_tokens"], vocab)
+        caches, logits = {}, {}
+        for label, model in models.items():
+            caches[label] = KVCache(model, batch=batch, capacity=cfg["prompt_tokens"] + cfg["decode_steps"] + 1)
+            t0 = time.perf_counter()
+            logits[label] = forward_with_cache(model, caches[label], ids)  # [B, V]: the last position only
+            prefill[label].append(time.perf_counter() - t0)
+        for _ in range(cfg["decode_steps"]):
+            for label, model in models.items():
+                nxt = logits[label].reshape(batch, -1)[:, -vocab:].argmax(-1, keepdim=True)  # [B, 1] greedy
+                t0 = time.perf_counter()
+                logits[label] = forward_with_cache(model, caches[label], nxt)
+                steps[label].append(time.perf_counter() - t0)
+    first = cfg["decode_steps"]  # the warm-up repeat's steps
+    return {label: (statistics.median(prefill[label][1:]), statistics.median(steps[label][first:]))
+            for label in models}
 
 
 def speed_row(engine: str, label: str, batch: int, mib: float, prefill_tok_s: float, decode_tok_s: float) -> dict:
-    return {"engine": engine, "scheme": label, "batch": batch, "weight_mib": round(mib, 1),
+    return {"engine": engine, "scheme": label, "batch": batch, "weight_mib": round(mib, 1), "step_mib": None,
             "prefill_tok_s": round(prefill_tok_s, 1), "decode_tok_s": round(decode_tok_s, 1)}
 
 
@@ -171,30 +203,42 @@ def measure_timer(engine: str, label: str, timer, mib: float, cfg: dict, batches
     return rows
 
 
-def measure(label: str, model, cfg: dict) -> list[dict]:
+def servelab_row(label: str, model, batch: int, cfg: dict, prefill_s: float, decode_s: float) -> dict:
     mib = getattr(model, "weight_bytes", sum(weight_bytes_breakdown(model).values())) / 2**20
-    rows = measure_timer("servelab", label, lambda b, c: time_model(model, b, c), mib, cfg, cfg["batches"])
-    for row in rows:
-        if row["batch"] == 1:
-            row["engine_decode_tok_s"] = round(engine_decode_tok_s(model, cfg), 1)
-    return rows
+    row = speed_row("servelab", label, batch, mib, batch * cfg["prompt_tokens"] / prefill_s, batch / decode_s)
+    row["step_mib"] = round((getattr(model, "step_bytes", None) or decode_step_bytes(model)) / 2**20, 1)
+    return row
 
 
-def engine_decode_tok_s(model, cfg: dict) -> float:
-    """Batch-1 decode through the engine itself (``LLM.generate``: paged KV, attention planned once per step,
-    fp32/bf16 linears packed), the path a user runs: (N - 1) / (time for N tokens - time for 1)."""
-    from benchmarks.decode_vs_hf import engine_runner
-
-    run, n = engine_runner(model, torch.get_num_threads()), cfg["decode_steps"]
-    ids = prompt_ids(1, cfg["prompt_tokens"], model.config.vocab_size)[0].tolist()
-    run(ids, 2)  # warm-up
-    walls = {1: [], n: []}
-    for _ in range(cfg["repeats"]):
-        for k in (1, n):
-            t0 = time.perf_counter()
-            run(ids, k)
-            walls[k].append(time.perf_counter() - t0)
-    return (n - 1) / (statistics.median(walls[n]) - statistics.median(walls[1]))
+def engine_decode_speeds(models: dict, cfg: dict) -> dict[str, float]:
+    """Batch-1 decode tok/s through the engine itself (``LLMEngine.step``, what ``LLM.generate`` runs: paged KV,
+    attention planned once per step, fp32/bf16 linears packed), the path a user runs, per scheme. The schemes'
+    engines step in lockstep, one decode step of each in turn, so that a slow moment of a shared machine (they
+    last seconds here, and halve the speed) falls on all of them alike; tok/s is one over the median step."""
+    pool_log = logging.getLogger("engine")  # "the KV cache holds fewer tokens than max_model_len": meant
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)
+    try:
+        engines = {label: LLM(m, None, dtype=str(m.embed_tokens.weight.dtype).removeprefix("torch."),
+                              num_threads=torch.get_num_threads(), max_num_seqs=1,
+                              kv_cache_memory_bytes=ENGINE_KV_BYTES).engine for label, m in models.items()}
+    finally:
+        pool_log.setLevel(level)
+    ids = prompt_ids(1, cfg["prompt_tokens"], next(iter(models.values())).config.vocab_size)[0].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["decode_steps"] + 1, ignore_eos=True)
+    steps = {label: [] for label in engines}
+    for repeat in range(1 + cfg["engine_repeats"]):  # the first one warms up
+        for engine in engines.values():
+            engine.add_request(ids, params)
+            engine.step()  # the prefill (and the first token): not timed
+        for _ in range(cfg["decode_steps"]):
+            for label, engine in engines.items():
+                t0 = time.perf_counter()
+                engine.step()
+                if repeat:
+                    steps[label].append(time.perf_counter() - t0)
+        assert not any(e.has_unfinished_requests() for e in engines.values())
+    return {label: 1.0 / statistics.median(times) for label, times in steps.items()}
 
 
 def transformers_rows(folder: Path, vocab: int, cfg: dict) -> list[dict]:
@@ -289,6 +333,9 @@ def add_ratios(rows: list[dict]) -> None:
     def best(kind, batch, key):
         return max(ours[(label, batch)][key] for label in BASELINES[kind] if (label, batch) in ours)
 
+    def best_bytes(kind, batch):  # as loaded or packed, the same bytes
+        return ours[(BASELINES[kind][0], batch)].get("step_mib")
+
     for row in rows:
         row.setdefault("engine_decode_tok_s", None)  # servelab's batch-1 rows only (every row has the column)
         b = row["batch"]
@@ -296,7 +343,10 @@ def add_ratios(rows: list[dict]) -> None:
         row["x_decode_vs_bf16"] = round(row["decode_tok_s"] / best("bf16", b, "decode_tok_s"), 2)
         row["x_prefill_vs_fp32"] = round(row["prefill_tok_s"] / best("fp32", b, "prefill_tok_s"), 2)
         row["x_smaller_than_fp32"] = round(ours[("fp32", b)]["weight_mib"] / row["weight_mib"], 2)
-        row["x_engine_decode_vs_bf16"] = None
+        row.setdefault("step_mib", None)  # servelab's rows only
+        row["x_engine_decode_vs_bf16"] = row["x_bytes_vs_bf16"] = None
+        if row["step_mib"] and best_bytes("bf16", b):
+            row["x_bytes_vs_bf16"] = round(best_bytes("bf16", b) / row["step_mib"], 2)
         if row["engine_decode_tok_s"] is not None:
             bf16 = best("bf16", b, "engine_decode_tok_s")
             row["x_engine_decode_vs_bf16"] = round(row["engine_decode_tok_s"] / bf16, 2)
@@ -315,6 +365,9 @@ def target_summary(rows: list[dict]) -> list[str]:
         if r1["x_engine_decode_vs_bf16"] is not None:
             engine_verdict = "met" if r1["x_engine_decode_vs_bf16"] >= target else "missed"
             extra += f"; through the engine {r1['x_engine_decode_vs_bf16']}x ({engine_verdict})"
+        if r1["x_bytes_vs_bf16"] is not None:
+            extra += (f"; it streams {r1['x_bytes_vs_bf16']}x fewer weight bytes a step than bf16, the ratio a "
+                      f"step made of nothing but the weight stream would reach")
         lines.append(f"{label}: batch-1 decode {r1['x_decode_vs_bf16']}x our bf16 "
                      f"(target >= {target:g}x: {verdict}){extra}")
     peer = next((r for r in rows if r["engine"] == "llama.cpp"), None)
@@ -345,13 +398,18 @@ def conditions(when: str) -> dict:
 
 
 def run_servelab(cfg: dict, base) -> list[dict]:
-    rows = []
-    for label in SCHEMES:
-        model = load_scheme(label, base)
-        rows += measure(label, model, cfg)
-        for row in rows[-len(cfg["batches"]):]:
-            print(markdown_table([row]).splitlines()[-1], flush=True)
-        del model
+    """Every scheme's rows: all models loaded at once (a few GiB), so that each measurement can run them in turn."""
+    models, rows = {label: load_scheme(label, base) for label in SCHEMES}, []
+    for batch in cfg["batches"]:
+        print(f"batch {batch}: the cached loop, the schemes in turn ...", flush=True)
+        for label, (prefill_s, decode_s) in time_models(models, batch, cfg).items():
+            rows.append(servelab_row(label, models[label], batch, cfg, prefill_s, decode_s))
+            print(markdown_table([rows[-1]]).splitlines()[-1], flush=True)
+    print("batch-1 decode through the engine, the schemes in turn ...", flush=True)
+    speeds = engine_decode_speeds(models, cfg)
+    for row in rows:
+        if row["batch"] == 1:
+            row["engine_decode_tok_s"] = round(speeds[row["scheme"]], 1)
     return rows
 
 
@@ -399,15 +457,19 @@ Decode and prefill tokens per second of SmolLM2-135M-Instruct per weight scheme,
 in Settings, the peers at batch 1 (transformers on the same converted folder, llama.cpp on the same GGUF file), on the
 same random token ids, greedy (x_*: ratios to the faster of servelab's two fp32 rows, as loaded or packed, and
 likewise bf16, at the same batch). decode_tok_s times the readable cached loop (engine/kv_cache.py) that every
-scheme shares; engine_decode_tok_s times batch-1 decode through the engine itself (LLM.generate: paged KV
-read by the C decode-attention kernel, q/k/v and gate/up fused into one matmul each, fp32/bf16 linears packed,
-whatever the row), the path a user runs. Every engine runs with the same number of
-threads. At batch 1 the LM head is the largest matrix a decode step reads (SmolLM2:
+scheme shares; engine_decode_tok_s times batch-1 decode steps through the engine itself (LLMEngine.step, what
+LLM.generate runs: paged KV read by the C decode-attention kernel, q/k/v and gate/up fused into one matmul each,
+fp32/bf16 linears packed, whatever the row), the path a user runs, all schemes' engines stepping in turn. Every
+engine runs with the same number of threads. At batch 1 the LM head is the largest matrix a decode step reads (SmolLM2:
 49,152 x 576, 108 MiB in fp32): int4 decoder linears alone leave it, so the native rows also read it as
 int8 (28 MiB), as llama.cpp reads the file's Q8_0 head. llama.cpp and our native kernel both multiply the
 integer weights by int8-rounded activations with integer dot products (AVX2 and up), never building a
 float weight. torch's packed int8/int4 ops are fast only with bf16 activations and only on CPUs with bf16
-dot-product instructions (avx512_bf16, AMX).
+dot-product instructions (avx512_bf16, AMX). The "bf16 activations" rows quantize our bf16 model's weights and
+keep everything else bf16 (its KV pool included): weight-only quantization of the very model they are compared
+with. step_mib is the weight bytes one decode step streams (decoder linears and LM head, not the embedding);
+x_bytes_vs_bf16, bf16's step_mib over the row's, is the most a bandwidth-bound batch-1 decode could gain
+when everything else in a step (attention, norms, sampling, Python) cost nothing.
 """
 
 
@@ -428,7 +490,9 @@ def notes_text(settings: dict) -> str:
             f"running: {settings['training_running_before'] or settings['training_running_after']}.{bf16_note} A busy "
             f"machine slows every engine, not always alike: compare ratios within this run. Prompts of "
             f"{settings['prompt_tokens']} tokens, {settings['decode_steps']} decode steps, median of "
-            f"{settings['repeats']} repeat(s){' (a --quick run: noisy)' if settings['quick'] else ''}.\n\n"
+            f"{settings['repeats']} repeat(s){' (a --quick run: noisy)' if settings['quick'] else ''}; "
+            f"engine_decode_tok_s: median step of {settings['engine_repeats']} repeat(s), the schemes' engines "
+            f"stepping in turn.\n\n"
             + (f"llama.cpp skipped: {skipped}\n\n" if skipped else "")
             + "Targets:\n" + "\n".join(f"- {t}" for t in settings["targets"]) + "\n\n"
             f"Greedy leading tokens identical ({len(COMPARE_QUESTIONS)} chat prompts, reported, not asserted; "

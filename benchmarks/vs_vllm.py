@@ -333,6 +333,19 @@ def offline_useful_gflop(folder: Path, prompt_lengths: list[int], new_tokens: in
     return total / 1e9
 
 
+def add_peak_notes(verdicts: list[dict], rows: list[dict]) -> None:
+    """To each "N x vLLM" verdict, where that ratio would put us against the matmul peak: vLLM's share of the peak
+    times N. Above 1, the target asks for more useful work per second than the cores' best GEMM delivers."""
+    vllm = next((r for r in rows if r["engine"] == LABELS["vllm"]), None)
+    for v in verdicts:
+        kind = next((k for k in ("offline", "prefill") if v["target"].startswith(k)), None)
+        needed = next((n for what, _, anchor, n in TARGETS if what == v["target"] and anchor == "vllm"), None)
+        share = vllm.get(f"{kind}_x_peak") if vllm and kind and needed else None
+        if share:
+            v["peak_note"] = (f"vLLM ran at {share:.0%} of the matmul peak, so {needed:g}x vLLM is "
+                              f"{needed * share:.0%} of it")
+
+
 def peak_fraction_verdict(result: dict | None, useful_gflop: float, peak_gflops: float) -> dict:
     """The peak target's verdict for one engine's offline seconds."""
     what = f"offline >= {PEAK_FRACTION_NEEDED:.0%} of the matmul peak"
@@ -422,10 +435,13 @@ def main(argv=None) -> None:
     rows, verdicts = table_rows(engine_speeds, equality, args.threads), target_verdicts(engine_speeds, skipped)
     useful = offline_useful_gflop(folder, [len(p) for p in job["offline_prompts"]], cfg["new_tokens"])
     verdicts.append(peak_fraction_verdict(results.get("servelab"), useful, peak))
-    for row, engine in zip(rows, engine_speeds, strict=True):  # each offline run in useful GFLOP/s, and / peak
-        seconds = results[engine].get("offline_s")
-        row["offline_useful_gflops"] = round(useful / seconds, 1) if seconds else None
-        row["offline_x_peak"] = round(useful / seconds / peak, 2) if seconds else None
+    useful_prefill = offline_useful_gflop(folder, [cfg["prefill_tokens"]], 1)  # one prompt, its first token
+    for row, engine in zip(rows, engine_speeds, strict=True):  # each run in useful GFLOP/s, and / peak
+        for kind, gflop in (("offline", useful), ("prefill", useful_prefill)):
+            seconds = results[engine].get(f"{kind}_s")
+            row[f"{kind}_useful_gflops"] = round(gflop / seconds, 1) if seconds else None
+            row[f"{kind}_x_peak"] = round(gflop / seconds / peak, 2) if seconds else None
+    add_peak_notes(verdicts, rows)
     print("\n" + markdown_table(rows) + "\n" + "\n".join(f"{v['target']}: {v['verdict']}" for v in verdicts))
     settings = dict(quick=quick, model=REAL_MODEL_LABEL, dtype=args.dtype, greedy=True, ignore_eos=True, **cfg,
                     offline_prompt_lengths=list(OFFLINE_PROMPT_LENGTHS),
@@ -462,7 +478,9 @@ x_vs_vllm: each number over vLLM's. greedy_vs_servelab: sequences identical toke
 the others first differ). offline_useful_gflops: the offline run's unavoidable FLOPs (every linear layer once per
 token, the LM head once per generated token, causal attention) per second of it; offline_x_peak: that over this
 machine's matmul peak (Settings: matmul_peak_gflops, oneDNN's packed GEMM of [4096, E] x [2F, E]^T in the run's
-dtype and threads, measured in the same run).
+dtype and threads, measured in the same run); prefill_useful_gflops and prefill_x_peak: the same for the prefill
+run (one prompt, the LM head for its last token only). A target of N x vLLM is N x vLLM's share of the peak: where
+that passes 100 %, no engine on these cores can meet it, and the target line says so.
 """
 
 
@@ -482,6 +500,7 @@ def notes_text(settings: dict, details: dict) -> str:
     skipped = "".join(f"\n- {LABELS[e]} skipped: {why}" for e, why in details["skipped"].items())
     targets = "\n".join(f"- {v['target']}: servelab {v['servelab']} vs {v['anchor']} {v.get('unit', 'tok/s')}"
                         + (f" = {v['ratio']}x" if v["ratio"] is not None else "") + f": **{v['verdict']}**"
+                        + (f" ({v['peak_note']})" if v.get("peak_note") else "")
                         for v in details["targets"])
     return (NOTES.strip().format(dtype=settings["dtype"]) + "\n\n"
             f"Conditions: {describe_machine()['cpu']} (flags: {settings['cpu_flags'] or 'none of interest'}; torch "

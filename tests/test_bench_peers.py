@@ -49,6 +49,20 @@ def test_add_ratios_compare_every_row_with_servelab_at_the_same_batch():
     assert rows[("llama.cpp", "gguf file", 1)]["x_smaller_than_fp32"] == pytest.approx(500 / 90, abs=0.01)
 
 
+def test_the_bytes_a_decode_step_streams_give_the_ratio_a_weight_bound_step_would_reach():
+    rows = sample_rows()
+    for r in rows:
+        if (r["engine"], r["scheme"]) in {("servelab", "bf16"), ("servelab", "int8 packed")}:
+            r["step_mib"] = 240.0 if r["scheme"] == "bf16" else 120.0
+    add_ratios(rows)
+    at = {(r["engine"], r["scheme"], r["batch"]): r for r in rows}
+    assert at[("servelab", "int8 packed", 1)]["x_bytes_vs_bf16"] == 2.0  # 240 / 120
+    assert at[("servelab", "fp32", 1)]["x_bytes_vs_bf16"] is None  # its bytes were not counted
+    assert at[("llama.cpp", "gguf file", 1)]["x_bytes_vs_bf16"] is None
+    int8 = next(t for t in target_summary(rows) if t.startswith("int8 packed"))
+    assert "2.0x fewer weight bytes a step than bf16" in int8
+
+
 def test_targets_are_met_at_the_target_and_missed_below_it():
     lines = target_summary(sample_rows())
     int8 = next(t for t in lines if t.startswith("int8 packed"))
@@ -103,6 +117,8 @@ def test_ratios_use_the_faster_baseline_and_the_engine_column_where_measured():
 from benchmarks._vs_vllm_workers import measure  # noqa: E402
 from benchmarks.vs_vllm import (  # noqa: E402
     FULL,
+    LABELS,
+    add_peak_notes,
     compare_tokens,
     engine_env,
     greedy_equality,
@@ -236,3 +252,18 @@ def test_the_peak_target_is_met_at_80_percent_and_says_when_there_was_no_run():
     missed = peak_fraction_verdict({"offline_s": 10.0}, 790.0, 100.0)
     assert missed["verdict"] == "missed" and missed["ratio"] == 0.79 and missed["servelab"] == 79.0
     assert peak_fraction_verdict(None, 800.0, 100.0)["verdict"].startswith("not measured")
+
+
+def test_a_ratio_target_says_what_share_of_the_peak_it_asks_for():
+    """vLLM at 92 % of the matmul peak in prefill: 1.2x vLLM is 110 % of it, a target no engine can meet there."""
+    verdicts = target_verdicts(engine_speeds(), skipped={})
+    rows = [{"engine": LABELS["vllm"], "offline_x_peak": 0.5, "prefill_x_peak": 0.92},
+            {"engine": LABELS["servelab"], "offline_x_peak": 0.6, "prefill_x_peak": 0.92}]
+    add_peak_notes(verdicts, rows)
+    notes = {v["target"]: v.get("peak_note") for v in verdicts}
+    assert notes["prefill >= 1.2x vLLM"] == "vLLM ran at 92% of the matmul peak, so 1.2x vLLM is 110% of it"
+    assert notes["offline >= 1.2x vLLM"] == "vLLM ran at 50% of the matmul peak, so 1.2x vLLM is 60% of it"
+    assert notes["batch-1 decode >= llama.cpp"] is None  # not a vLLM ratio
+    unmeasured = target_verdicts(engine_speeds(), skipped={})
+    add_peak_notes(unmeasured, [dict(rows[0], prefill_x_peak=None)])  # vLLM's prefill failed: no note
+    assert {v["target"]: v.get("peak_note") for v in unmeasured}["prefill >= 1.2x vLLM"] is None

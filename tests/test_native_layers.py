@@ -127,6 +127,20 @@ def test_quantized_layers_run_in_c_and_agree_with_python(scheme):
     assert list(outputs.values()) == list(python_outputs.values())
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_quantized_weights_with_bf16_activations_run_in_c(scheme):
+    """Weight-only quantization of a bf16 model (the benchmark's "bf16 activations" rows): integer weights, bf16
+    activations and KV pool. The C layers take the bf16 rows through the same quantized kernel; the tolerance is
+    the bf16 one above, since x is rounded to bf16 after every op on both sides and to int8 inside the kernel."""
+    model = random_model(seed=13).to(torch.bfloat16)
+    quantize_model(model, scheme, backend="native")
+    engine = LLMEngine(model, None, engine_config(model="random", dtype="bfloat16"))
+    assert engine.runner.native_layers is not None
+    python, c = hidden_after_layers(engine, [[5, 9, 12, 40, 7], [3, 3, 8]])
+    assert python.dtype == c.dtype == torch.bfloat16
+    assert (python.float() - c.float()).abs().max() <= 0.05 * python.float().abs().max()
+
+
 @pytest.mark.parametrize("options,why", [
     (dict(kv_cache_dtype="int8"), "int8 KV"),
     (dict(attention_backend="sdpa"), "attention runs on 'sdpa'"),
