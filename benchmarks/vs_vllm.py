@@ -17,12 +17,13 @@ Greedy, EOS ignored, exactly the same number of new tokens everywhere; afterward
 engine's tokens with servelab's, token for token, and report the differences (never stop on them).
 
 The engines run one after another, never at once, each in its own process (benchmarks/_vs_vllm_workers.py
-says how each is timed), with the same number of threads; we record the load average before and after
-each. vLLM lives in its own environment, made by `bash benchmarks/setup_vllm.sh` (.peers/vllm), and
-llama.cpp in .peers/llamacpp (benchmarks/_peers.py says how to make it); either one missing is skipped
-with the reason and the command that makes it.
+says how each is timed), with the same number of threads, in two rounds (A B C D, then D C B A: a slow
+phase of a shared machine then falls on all of them alike; each number is the median of its rounds); we
+record the load average before and after each. vLLM lives in its own environment, made by
+`bash benchmarks/setup_vllm.sh` (.peers/vllm), and llama.cpp in .peers/llamacpp (benchmarks/_peers.py says
+how to make it); either one missing is skipped with the reason and the command that makes it.
 
-    python benchmarks/vs_vllm.py                      # the full run (about 15 minutes on 2 cores)
+    python benchmarks/vs_vllm.py                      # the full run (about 15-25 minutes on 2 cores)
     python benchmarks/vs_vllm.py --quick --results-dir /tmp/vs   # a smoke run (or VS_VLLM_QUICK=1)
     python benchmarks/vs_vllm.py --engines servelab vllm          # a subset
     python benchmarks/vs_vllm.py --dtype bfloat16     # bf16 weights everywhere (results/vs_vllm_bfloat16.*);
@@ -58,8 +59,12 @@ from benchmarks._vs_vllm_workers import ENGINES, TRANSFORMERS_BATCH  # noqa: E40
 SEED = 0
 FIRST_TOKEN_ID = 3  # prompt ids from here up: 0-2 are the special tokens
 OFFLINE_PROMPT_LENGTHS = (32, 256)  # the issue's "64 prompts of 32-256 tokens", uniform
-FULL = dict(prompts=64, new_tokens=64, prefill_tokens=1024, decode_prompt_tokens=128, repeats=3, offline_repeats=2)
-QUICK = dict(prompts=8, new_tokens=8, prefill_tokens=256, decode_prompt_tokens=32, repeats=1, offline_repeats=1)
+FULL = dict(prompts=64, new_tokens=64, prefill_tokens=1024, decode_prompt_tokens=128, repeats=3, offline_repeats=2,
+            rounds=2)
+QUICK = dict(prompts=8, new_tokens=8, prefill_tokens=256, decode_prompt_tokens=32, repeats=1, offline_repeats=1,
+             rounds=1)
+# What a worker times; with several rounds, each is the median over the rounds (combine_rounds).
+TIMED = ("decode_s_1_token", "decode_s_all_tokens", "prefill_s", "offline_s")
 QUICK_ENV = "VS_VLLM_QUICK"  # =1: the same as --quick
 MAX_NUM_SEQS = 64  # servelab's and vLLM's running-batch cap: every offline prompt admitted at once, on both
 MAX_MODEL_LEN = 2048  # above the 1024-token prefill prompt plus its token
@@ -192,9 +197,10 @@ def _end_group(pgid: int) -> None:
         pass
 
 
-def run_engine(engine: str, python: str, job: dict, threads: int, log_dir: Path) -> dict:
-    """One engine in its own process: its result, or {"failed": ...} with the end of its log."""
-    out, log = log_dir / f"{engine}.json", log_dir / f"{engine}.log"
+def run_engine(engine: str, python: str, job: dict, threads: int, log_dir: Path, tag: str = "") -> dict:
+    """One engine in its own process: its result, or {"failed": ...} with the end of its log (files named
+    engine + tag)."""
+    out, log = log_dir / f"{engine}{tag}.json", log_dir / f"{engine}{tag}.log"
     before, start = load_average(), time.perf_counter()
     with log.open("w") as sink:
         proc = subprocess.Popen([python, str(WORKER), engine, str(out)], stdin=subprocess.PIPE, text=True,
@@ -335,7 +341,7 @@ def offline_useful_gflop(folder: Path, prompt_lengths: list[int], new_tokens: in
 
 def add_peak_notes(verdicts: list[dict], rows: list[dict]) -> None:
     """To each "N x vLLM" verdict, where that ratio would put us against the matmul peak: vLLM's share of the peak
-    times N. Above 1, the target asks for more useful work per second than the cores' best GEMM delivers."""
+    times N. Above 1, the target asks for more useful work per second than the reference GEMM delivers."""
     vllm = next((r for r in rows if r["engine"] == LABELS["vllm"]), None)
     for v in verdicts:
         kind = next((k for k in ("offline", "prefill") if v["target"].startswith(k)), None)
@@ -371,23 +377,47 @@ def make_job(cfg: dict, folder: Path, threads: int, dtype: str = "float32") -> d
                 offline=True, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
 
 
-def run_all(engines: list[str], job: dict, threads: int, log_dir: Path) -> tuple[dict, dict]:
-    """Each engine in turn (never two at once): (results by engine, skipped engine -> reason)."""
-    results, skipped = {}, {}
+def run_all(engines: list[str], job: dict, threads: int, log_dir: Path, rounds: int = 1) -> tuple[dict, dict]:
+    """Each engine in its own process, never two at once, ``rounds`` times in turns: A B C, then C B A, and so on.
+    This VM has slow phases minutes long (the same engine's offline run has measured 1.3x apart in one hour), and
+    one engine after another would let a phase fall on one of them only; in turns, and in mirrored order, it falls
+    on all alike. (results by engine, each timing the median over its rounds; skipped engine -> reason)."""
+    runs, skipped, pythons = {}, {}, {}
     for engine in engines:
-        python, reason = engine_python(engine)
-        if python is None:
+        pythons[engine], reason = engine_python(engine)
+        if pythons[engine] is None:
             print(f"{engine} skipped: {reason}", flush=True)
             skipped[engine] = reason
-            continue
-        print(f"{engine}: running (load average {load_average()}) ...", flush=True)
-        results[engine] = run_engine(engine, python, job, threads, log_dir)
-        if "failed" in results[engine]:
-            skipped[engine] = f"failed ({results[engine]['failed'][:200]})"
-        else:
-            print(f"{engine}: {speeds(results[engine], sizes_of(job))}, load average after "
-                  f"{results[engine]['load_avg_after']}", flush=True)
-    return results, skipped
+    present = [e for e in engines if e not in skipped]
+    for r in range(rounds):
+        for engine in present if r % 2 == 0 else present[::-1]:
+            if engine in skipped:  # it failed in an earlier round
+                continue
+            print(f"{engine}: round {r + 1} of {rounds} (load average {load_average()}) ...", flush=True)
+            result = run_engine(engine, pythons[engine], job, threads, log_dir, tag=f".round{r + 1}")
+            runs.setdefault(engine, []).append(result)
+            if "failed" in result:
+                skipped[engine] = f"failed ({result['failed'][:200]})"
+            else:
+                print(f"{engine}: {speeds(result, sizes_of(job))}, load average after "
+                      f"{result['load_avg_after']}", flush=True)
+    return {engine: combine_rounds(rs) for engine, rs in runs.items()}, skipped
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One engine's result from its rounds: the first round's (tokens, info), each TIMED number the median over
+    the rounds, every round's numbers kept under "rounds", and whether the greedy tokens repeated. A failed
+    round makes the whole result that failure."""
+    failed = next((r for r in rounds if "failed" in r), None)
+    if failed is not None:
+        return failed
+    out = dict(rounds[0], load_avg_after=rounds[-1]["load_avg_after"],
+               rounds=[{k: r.get(k) for k in TIMED} for r in rounds],
+               tokens_repeat=all(r["tokens"] == rounds[0]["tokens"] for r in rounds))
+    for key in TIMED:
+        values = [r.get(key) for r in rounds]
+        out[key] = statistics.median(values) if None not in values else None
+    return out
 
 
 def sizes_of(job: dict) -> dict:
@@ -409,13 +439,18 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="offline prompts (default 64; quick 8)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per prompt (default 64; quick 8)")
     parser.add_argument("--results-dir", type=Path, default=None, help="write here instead of benchmarks/results/")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times each engine runs, in turns (default 2; quick 1): see run_all")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and compute for every engine (bfloat16: llama.cpp, F32 only here, is left out)")
     args = parser.parse_args(argv)
     engines = [e for e in args.engines if not (args.dtype != "float32" and e == "llamacpp")]
     quick = args.quick or os.environ.get(QUICK_ENV) == "1"
     cfg, folder = dict(QUICK if quick else FULL), real_model_folder()
-    cfg.update({k: v for k, v in (("prompts", args.prompts), ("new_tokens", args.new_tokens)) if v is not None})
+    cfg.update({k: v for k, v in (("prompts", args.prompts), ("new_tokens", args.new_tokens),
+                                  ("rounds", args.rounds)) if v is not None})
+    if cfg["rounds"] < 1:
+        parser.error(f"--rounds must be at least 1, got {cfg['rounds']}")
     job = make_job(cfg, folder, args.threads, args.dtype)
     llama = {}
     if "llamacpp" in engines:
@@ -427,7 +462,7 @@ def main(argv=None) -> None:
     started = load_average()
     peak = matmul_peak_gflops(folder, args.dtype, args.threads)
     print(f"matmul peak ({args.dtype}, {args.threads} threads): {peak:.0f} GFLOP/s", flush=True)
-    results, skipped = run_all(engines, job, args.threads, log_dir)
+    results, skipped = run_all(engines, job, args.threads, log_dir, rounds=cfg["rounds"])
     if "llamacpp" in args.engines and "llamacpp" not in engines:
         skipped["llamacpp"] = f"--dtype {args.dtype}: this benchmark gives llama.cpp only an F32 GGUF file"
     engine_speeds = {e: speeds(r, cfg) for e, r in results.items()}
@@ -453,7 +488,8 @@ def main(argv=None) -> None:
                     vllm=vllm_settings(results.get("vllm", {}).get("info")))
     # The long parts go to the JSON only (the markdown's Settings line stays readable).
     details = dict(engines={e: {k: r.get(k) for k in ("info", "load_s", "load_avg_before", "load_avg_after",
-                                                      "process_wall_s", "failed")} for e, r in results.items()},
+                                                      "process_wall_s", "failed", "rounds", "tokens_repeat")}
+                            for e, r in results.items()},
                    skipped=skipped, targets=verdicts, greedy_equality=equality, llamacpp_weights=llama,
                    logs=str(log_dir))
     name = "vs_vllm" if args.dtype == "float32" else f"vs_vllm_{args.dtype}"
@@ -464,7 +500,8 @@ def main(argv=None) -> None:
 
 NOTES = """
 servelab against vLLM's CPU build, transformers and llama.cpp on SmolLM2-135M-Instruct in {dtype}: every engine in
-its own process, one after another, with the same number of threads, on the same random token ids and the
+its own process, one after another, in the rounds of Settings (each round in the order opposite to the last; every
+number is the median over the rounds), with the same number of threads, on the same random token ids and the
 same weights (the folder servelab converts from the registry package's GGUF file; llama.cpp reads the same
 fp32 numbers as an F32 GGUF file), greedy, EOS ignored. batch-1 decode: n new tokens after a short prompt,
 timed as generate(1 + n tokens) minus generate(1 token); offline: all prompts in one generate call
@@ -479,8 +516,8 @@ the others first differ). offline_useful_gflops: the offline run's unavoidable F
 token, the LM head once per generated token, causal attention) per second of it; offline_x_peak: that over this
 machine's matmul peak (Settings: matmul_peak_gflops, oneDNN's packed GEMM of [4096, E] x [2F, E]^T in the run's
 dtype and threads, measured in the same run); prefill_useful_gflops and prefill_x_peak: the same for the prefill
-run (one prompt, the LM head for its last token only). A target of N x vLLM is N x vLLM's share of the peak: where
-that passes 100 %, no engine on these cores can meet it, and the target line says so.
+run (one prompt, the LM head for its last token only). A target of N x vLLM asks for N x vLLM's share of the peak
+(the target lines say how much): past 100 %, more useful work per second than the reference GEMM itself delivers.
 """
 
 

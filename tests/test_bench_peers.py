@@ -119,6 +119,7 @@ from benchmarks.vs_vllm import (  # noqa: E402
     FULL,
     LABELS,
     add_peak_notes,
+    combine_rounds,
     compare_tokens,
     engine_env,
     greedy_equality,
@@ -267,3 +268,19 @@ def test_a_ratio_target_says_what_share_of_the_peak_it_asks_for():
     unmeasured = target_verdicts(engine_speeds(), skipped={})
     add_peak_notes(unmeasured, [dict(rows[0], prefill_x_peak=None)])  # vLLM's prefill failed: no note
     assert {v["target"]: v.get("peak_note") for v in unmeasured}["prefill >= 1.2x vLLM"] is None
+
+
+def test_rounds_combine_into_medians_keep_every_round_and_say_whether_the_tokens_repeated():
+    base = {"tokens": {"decode": [[1, 2]]}, "info": {"v": 1}, "load_avg_after": [1.0]}
+    rounds = [dict(base, decode_s_1_token=1.0, decode_s_all_tokens=3.0, prefill_s=2.0, offline_s=None),
+              dict(base, decode_s_1_token=2.0, decode_s_all_tokens=5.0, prefill_s=4.0, offline_s=None,
+                   load_avg_after=[2.0]),
+              dict(base, decode_s_1_token=9.0, decode_s_all_tokens=4.0, prefill_s=3.0, offline_s=None)]
+    out = combine_rounds(rounds)
+    assert (out["decode_s_1_token"], out["decode_s_all_tokens"], out["prefill_s"]) == (2.0, 4.0, 3.0)
+    assert out["offline_s"] is None  # llama.cpp: no offline part in any round
+    assert [r["prefill_s"] for r in out["rounds"]] == [2.0, 4.0, 3.0] and out["tokens_repeat"] is True
+    assert out["load_avg_after"] == [1.0]  # the last round's
+    other = dict(rounds[1], tokens={"decode": [[1, 3]]})
+    assert combine_rounds([rounds[0], other])["tokens_repeat"] is False
+    assert combine_rounds([rounds[0], {"failed": "exit 1"}]) == {"failed": "exit 1"}
