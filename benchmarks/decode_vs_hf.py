@@ -76,11 +76,10 @@ def cached_runner(model):
     return run
 
 
-def engine_runner(model, threads: int, **engine_options):
-    """fn(ids, n) -> generated token ids through the engine (`LLM.generate`, one request at a time);
-    ``engine_options`` go to the engine's config (e.g. kv_cache_memory_bytes)."""
+def engine_runner(model, threads: int):
+    """fn(ids, n) -> generated token ids through the engine (`LLM.generate`, one request at a time)."""
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")  # "float32", "bfloat16"
-    llm = LLM(model, None, dtype=dtype, num_threads=threads, max_num_seqs=1, **engine_options)
+    llm = LLM(model, None, dtype=dtype, num_threads=threads, max_num_seqs=1)
 
     def run(ids: list[int], n: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

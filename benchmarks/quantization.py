@@ -142,8 +142,8 @@ def load_scheme(label: str, base):
 
 def decode_step_bytes(model) -> int:
     """Weight bytes one decode step streams: the decoder linears and the whole LM head (tied or not), not the
-    embedding (one row of it is read) nor the norms. A scheme's batch-1 decode cannot beat bf16 by more than the
-    ratio of these bytes: attention, norms and sampling cost the same for both and only lower the ratio."""
+    embedding (one row of it is read) nor the norms. At the same bandwidth, a scheme's batch-1 decode beats bf16
+    by at most the ratio of these bytes: attention, norms and sampling cost the same for both and lower it."""
     parts = weight_bytes_breakdown(model)
     head = getattr(model, "lm_head", None)
     if parts["quantized lm_head"]:
@@ -167,8 +167,8 @@ def time_models(models: dict, batch: int, cfg: dict) -> dict[str, tuple[float, f
     vocab = next(iter(models.values())).config.vocab_size
     prefill = {label: [] for label in models}
     steps = {label: [] for label in models}
+    ids = prompt_ids(batch, cfg["prompt_tokens"], vocab)
     for _ in range(1 + cfg["repeats"]):  # the first one warms up
-        ids = prompt_ids(batch, cfg["prompt_tokens"], vocab)
         caches, logits = {}, {}
         for label, model in models.items():
             caches[label] = KVCache(model, batch=batch, capacity=cfg["prompt_tokens"] + cfg["decode_steps"] + 1)
@@ -468,8 +468,8 @@ float weight. torch's packed int8/int4 ops are fast only with bf16 activations a
 dot-product instructions (avx512_bf16, AMX). The "bf16 activations" rows quantize our bf16 model's weights and
 keep everything else bf16 (its KV pool included): weight-only quantization of the very model they are compared
 with. step_mib is the weight bytes one decode step streams (decoder linears and LM head, not the embedding);
-x_bytes_vs_bf16, bf16's step_mib over the row's, is the most a bandwidth-bound batch-1 decode could gain
-when everything else in a step (attention, norms, sampling, Python) cost nothing.
+x_bytes_vs_bf16, bf16's step_mib over the row's, is what a batch-1 decode would gain if both streamed their
+weights at the same bandwidth and everything else in a step (attention, norms, sampling, Python) cost nothing.
 """
 
 
