@@ -8,6 +8,7 @@ nvcc call that reports a kernel's registers and spills, live here so that they a
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib
 import os
@@ -153,6 +154,14 @@ def why_cannot_load(load) -> str | None:
     except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
         return str(err).splitlines()[0]
     return None
+
+
+def cached_library(load_library):
+    """(library, why_library_cannot_load) for a kernel module whose `load_library(flags=None)` compiles and loads
+    its C file: `library()` is that library with this machine's flags, built once per process;
+    `why_library_cannot_load()` is None where it builds and loads, else the reason (asked once)."""
+    library = functools.cache(lambda: load_library())
+    return library, functools.cache(lambda: why_cannot_load(library))
 
 
 def source_with_headers(c_file: Path) -> bytes:

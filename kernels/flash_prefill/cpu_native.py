@@ -11,10 +11,11 @@ Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import build_c_library, cached_library
 
 from .reference import check_flash_inputs
 
@@ -26,8 +27,6 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
-    from kernels.toolchain import build_c_library
-
     lib = build_c_library(C_FILE, "flash prefill kernel", flags)
     lib.servelab_flash_prefill.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
                                            _i64, _i64, ctypes.c_float, _ptr]
@@ -35,17 +34,7 @@ def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    return load_library()
-
-
-@functools.cache
-def why_library_cannot_load() -> str | None:
-    """None if the C library compiles and loads here (asked once per process), else the reason."""
-    from kernels.toolchain import why_cannot_load
-
-    return why_cannot_load(_library)
+_library, why_library_cannot_load = cached_library(load_library)  # built on first use, once
 
 
 def why_native_cannot_run(q: torch.Tensor) -> str | None:

@@ -13,10 +13,11 @@ Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import build_c_library, cached_library
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
 GEMV_MAX_ROWS = 16  # rows of x the kernel takes: a decode step of up to 16 sequences (more rows: a GEMM's job)
@@ -27,24 +28,13 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
-    from kernels.toolchain import build_c_library
-
     lib = build_c_library(C_FILE, "matrix-vector kernel", flags)
     lib.servelab_gemv.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
     lib.servelab_gemv.restype = None
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    return load_library()
-
-
-@functools.cache
-def why_library_cannot_load() -> str | None:
-    from kernels.toolchain import why_cannot_load
-
-    return why_cannot_load(_library)
+_library, why_library_cannot_load = cached_library(load_library)  # built on first use, once
 
 
 def why_gemv_cannot_run(weight: torch.Tensor) -> str | None:

@@ -12,10 +12,11 @@ intermediate rounded where torch rounds it). Compiled on first use (kernels/tool
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import build_c_library, cached_library
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the C functions' `bf16` flag
@@ -25,8 +26,6 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
-    from kernels.toolchain import build_c_library
-
     lib = build_c_library(C_FILE, "layer ops", flags)
     lib.servelab_rms_norm.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float]
     lib.servelab_silu_mul.argtypes = [ctypes.c_int, _ptr, _ptr, _i64, _i64]
@@ -37,16 +36,7 @@ def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    return load_library()
-
-
-@functools.cache
-def why_library_cannot_load() -> str | None:
-    from kernels.toolchain import why_cannot_load
-
-    return why_cannot_load(_library)
+_library, why_library_cannot_load = cached_library(load_library)  # built on first use, once
 
 
 def why_layer_ops_cannot_run(x: torch.Tensor) -> str | None:

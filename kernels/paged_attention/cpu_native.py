@@ -19,11 +19,12 @@ Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import build_c_library, cached_library
 
 from .reference import check_paged_inputs
 
@@ -37,8 +38,6 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
-    from kernels.toolchain import build_c_library
-
     lib = build_c_library(C_FILE, "paged decode attention kernel", flags)
     lib.servelab_paged_decode.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
                                           _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
@@ -49,17 +48,7 @@ def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    return load_library()
-
-
-@functools.cache
-def why_library_cannot_load() -> str | None:
-    """None if the C library compiles and loads here (asked once per process), else the reason."""
-    from kernels.toolchain import why_cannot_load
-
-    return why_cannot_load(_library)
+_library, why_library_cannot_load = cached_library(load_library)  # built on first use, once
 
 
 def why_native_cannot_run(device, pool_dtype: torch.dtype | None = None) -> str | None:

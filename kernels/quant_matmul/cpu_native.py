@@ -32,11 +32,12 @@ kernels/toolchain.py; ``why_native_cannot_run`` says why when it cannot be.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kernels.toolchain import build_c_library, cached_library
 
 from .reference import ACTIVATION_DTYPES, QuantizedWeight, check_activations, check_quantized_weight
 
@@ -51,8 +52,6 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: the machine's own
     (kernels/toolchain.py: AVX2 where the CPU has it). Tests pass plain flags to run the C fallback."""
-    from kernels.toolchain import build_c_library
-
     lib = build_c_library(C_FILE, "quantized matmul kernel", flags)
     lib.servelab_quant_matmul.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr]
     lib.servelab_quant_matmul.restype = ctypes.c_int
@@ -63,17 +62,7 @@ def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    return load_library()
-
-
-@functools.cache
-def why_library_cannot_load() -> str | None:
-    """None if the C library compiles and loads here (once per process), else the reason."""
-    from kernels.toolchain import why_cannot_load
-
-    return why_cannot_load(_library)
+_library, why_library_cannot_load = cached_library(load_library)  # built on first use, once
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
