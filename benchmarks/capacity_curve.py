@@ -1,13 +1,13 @@
 """The capacity curve: sweep the offered request rate against the HTTP server, find the knee.
 
-We start the OpenAI-compatible server in this process (`engine.server.BackgroundServer`, a free loopback
-port) over tinylab, and for each request rate run `engine.bench_serve.benchmark` (vLLM's `bench serve`):
+We start the OpenAI-compatible server in this process (`engine.serving.server.BackgroundServer`, a free loopback
+port) over tinylab, and for each request rate run `engine.serving.bench_serve.benchmark` (vLLM's `bench serve`):
 the same seeded requests each time, Poisson arrivals at that rate (inf: all at once), streamed, timed by
 the client. Per rate we record what a capacity plan needs:
 
     request throughput   requests served per second (the run: first send -> last token)
     goodput              requests per second that met the SLO (TTFT and TPOT limits below)
-    TTFT, TPOT           P50 and P99 (nearest rank, engine/metrics.py)
+    TTFT, TPOT           P50 and P99 (nearest rank, engine/companions/metrics.py)
 
 The knee (`engine.viz.serving.capacity_knee`): going up in rate, the last rate at which at least 90 % of
 the served requests met the SLO, every lower rate passing too. Past it, throughput still grows a little
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from benchmarks._common import markdown_table, model_provenance, write_results  # noqa: E402
 from benchmarks.prefix_cache import cpu_simd_flags  # noqa: E402
-from engine.bench_serve import benchmark, random_requests  # noqa: E402
-from engine.metrics import SLO  # noqa: E402
+from engine.serving.bench_serve import benchmark, random_requests  # noqa: E402
+from engine.companions.metrics import SLO  # noqa: E402
 from engine.threads import use_threads  # noqa: E402
 from engine.viz.serving import KNEE_FRACTION, capacity_knee  # noqa: E402
 
@@ -55,8 +55,8 @@ WARMUP_REQUESTS = 2
 def start_server():
     """tinylab behind the HTTP server on a free loopback port; returns (server, vocab size, model folder)."""
     from engine.llm_engine import LLMEngine, engine_config
-    from engine.loader import load_model, resolve_model_path
-    from engine.server import BackgroundServer, build_app
+    from engine.loading.loader import load_model, resolve_model_path
+    from engine.serving.server import BackgroundServer, build_app
 
     folder = resolve_model_path(MODEL)
     model, tokenizer = load_model(folder)
@@ -137,8 +137,8 @@ def _notes(knee: float | None, top: float) -> str:
     where = (f"The knee is at {knee:g} req/s." if knee is not None and knee != top else
              "Every rate met the SLO: the knee lies beyond this sweep." if knee == top else
              "Even the lowest rate missed the SLO: no knee in this sweep.")
-    return ("The OpenAI-compatible server (engine/server.py) over tinylab, in the benchmark's own process on a "
-            "loopback port, loaded by engine/bench_serve.py (vLLM's bench serve): the same seeded random "
+    return ("The OpenAI-compatible server (engine/serving/server.py) over tinylab, in the benchmark's own process on a "
+            "loopback port, loaded by engine/serving/bench_serve.py (vLLM's bench serve): the same seeded random "
             "requests at each rate, Poisson arrivals, streamed, EOS ignored so every request writes its drawn "
             "length. Latencies are client-side (HTTP and the client's event loop included); client, server and "
             "engine share this process (and Python's GIL) and the machine's cores with other jobs: the load "

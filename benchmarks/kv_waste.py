@@ -22,7 +22,7 @@ import random
 
 from _common import write_results  # imported first: it puts the repo root on sys.path
 
-from engine.block_manager import BlockManager, NoFreeBlocksError
+from engine.kv.block_manager import BlockManager, NoFreeBlocksError
 
 SEED = 0
 NUM_REQUESTS = 4000

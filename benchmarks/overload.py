@@ -1,6 +1,6 @@
 """Overload: what the server does when more requests arrive than it can serve, with and without protection.
 
-We start the OpenAI-compatible server (engine/server.py) twice, in a process of its own each time, over
+We start the OpenAI-compatible server (engine/serving/server.py) twice, in a process of its own each time, over
 tinylab with the capacity curve's workload (random prompts of 64 +- 50 % tokens, 32 output tokens, EOS
 ignored, max_num_seqs 8; benchmarks/capacity_curve.py), and load it from this process:
 
@@ -17,7 +17,7 @@ and TPOT <= 100 ms, the capacity curve's, or 2 x the TPOT at capacity where that
 the requests that got a first token, the share rejected (503 at the door or a queue timeout), the abandoned
 ones, and, sampled from /metrics every SAMPLE_EVERY_S, the queue (vllm:num_requests_waiting), the KV usage and
 the server's resident memory over time (in the JSON's "series"). Latencies are measured by the client,
-computed by engine/metrics.py. The machine is shared with other jobs: its load averages are in the settings.
+computed by engine/companions/metrics.py. The machine is shared with other jobs: its load averages are in the settings.
 
 Expected shape: without protection, past 1x the queue grows for as long as the overload lasts, every
 request waits behind it, and goodput collapses towards zero although the server is busy all the time;
@@ -49,8 +49,8 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks._common import REPO_ROOT, RESULTS_DIR, write_results  # noqa: E402
-from engine.bench_serve import arrival_offsets, payload, random_requests  # noqa: E402
-from engine.metrics import SLO, RequestTiming, nearest_rank  # noqa: E402
+from engine.serving.bench_serve import arrival_offsets, payload, random_requests  # noqa: E402
+from engine.companions.metrics import SLO, RequestTiming, nearest_rank  # noqa: E402
 
 MODEL = "tinylab"
 INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 64, 32, 0.5  # the capacity curve's workload, so the two compare
@@ -225,7 +225,7 @@ def wait_until_idle(server: ServerProcess) -> None:
 
 
 def load_tokenizer():
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(resolve_model_path(MODEL))

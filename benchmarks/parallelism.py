@@ -7,7 +7,7 @@ process. The configurations (chapter 08):
     TP=1          the single-process engine: the baseline
     TP=2          every layer's matmuls split over 2 ranks, 2 L + 1 all-reduces per step (+ a logits gather)
     PP=2 M=m      the layers split into 2 stages, each step's requests cut into m micro-batches
-    replicas=n    n whole engines in their own processes behind a router (engine/parallel/replicas.py)
+    replicas=n    n whole engines in their own processes behind a router (engine/replicas/replicas.py)
 
 For each we report the median step time of prefill-heavy steps (a prompt in the batch) and of decode
 steps, the offline tokens/s, and what rank 0 measured of its own communication (`engine.runner.comm_stats`):
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from benchmarks._common import REAL_MODEL, markdown_table, model_provenance, write_results  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
-from engine.parallel.replicas import ReplicaPool  # noqa: E402
+from engine.replicas.replicas import ReplicaPool  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.threads import use_threads  # noqa: E402
 from engine.trace import StepReport  # noqa: E402
@@ -240,7 +240,7 @@ def _bytes_vs_formula(runs: list[RunResult], cfg, tp: int, pp: int, elem_bytes: 
 
 
 def measure_model(name: str, cfg: dict, setups: list[tuple[str, dict]]) -> list[dict]:
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     model, tokenizer = load_model(name)
     vocab = model.config.vocab_size
@@ -294,7 +294,7 @@ def main(argv=None) -> None:
         rows += measure_model(name, cfg, SETUPS[name])
         print("\n" + markdown_table([r for r in rows if r["model"] == name]), flush=True)
     run_s, load_after = round(time.perf_counter() - t0, 1), round(os.getloadavg()[0], 2)
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
 
     settings = dict(quick=args.quick, **cfg, warmup=WARMUP, greedy=True, ignore_eos=True, router=ROUTER,
                     torch_threads_per_process=THREADS, cpu_cores=cores, run_s=run_s,

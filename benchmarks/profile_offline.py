@@ -3,7 +3,7 @@
 One process, SmolLM2-135M-Instruct in fp32 (the real weights, converted once from the registry package's GGUF
 file), the same random token-id prompts, greedy, EOS ignored. The same workload runs twice through
 `LLM.generate`, once with `weight_layout="linear"` (nn.Linear's [N, K] weights, what the engine ran before
-engine/packed_linear.py) and once with `"packed"` (the default on a CPU), each under torch's profiler. For each
+engine/fast/packed_linear.py) and once with `"packed"` (the default on a CPU), each under torch's profiler. For each
 we write the wall time, the share of each part of a step (from the engine's own `StepReport.time_s`), and the
 ops that took the most time. Then, without the profiler, pure decode steps at batch 1 and 16: the share of a
 step spent outside the forward (scheduling, sampling, bookkeeping), the per-step overhead the issue asks about.
@@ -29,7 +29,7 @@ from torch.profiler import profile  # noqa: E402
 
 from benchmarks._common import REAL_MODEL, RESULTS_DIR, markdown_table, write_results  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.loader import load_model  # noqa: E402
+from engine.loading.loader import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 FULL = dict(prompts=32, new_tokens=32)

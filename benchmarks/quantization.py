@@ -1,18 +1,18 @@
 """Quantized weights on the real model: decode and prefill tokens per second, and weight bytes, per scheme.
 
 Chapter 07's question 5 ("why is a quantized model sometimes not faster?") on this machine. The model is
-SmolLM2-135M-Instruct (engine/gguf.py: converted from the registry package's GGUF file). For each scheme
-we load it fresh, quantize its decoder linears (engine/quantization.py), and time forward passes through a
-contiguous KV cache (engine/kv_cache.py) on the same random token ids:
+SmolLM2-135M-Instruct (engine/loading/gguf.py: converted from the registry package's GGUF file). For each scheme
+we load it fresh, quantize its decoder linears (engine/loading/quantization.py), and time forward passes through a
+contiguous KV cache (engine/companions/kv_cache.py) on the same random token ids:
 
     prefill   one forward of B prompts of PROMPT_TOKENS tokens              -> B * PROMPT_TOKENS / seconds
     decode    DECODE_STEPS forwards of one new token per sequence, after it -> B / median seconds per step
 
 at batch 1 and batch 16. The schemes: fp32 and bf16 as loaded and packed the way the engine runs them
-(engine/packed_linear.py; the ratios use the faster of the two), int8 and int4-g128 on torch's packed CPU
+(engine/fast/packed_linear.py; the ratios use the faster of the two), int8 and int4-g128 on torch's packed CPU
 ops ("packed": bf16 activations inside), the same int4 on the dequantize-every-call reference ("torch"),
 int8 and int4-g128 on our C kernel ("native": kernels/quant_matmul/cpu_native.c, x rounded to int8 per 32
-inputs) with an int8 LM head (engine.quantization.quantize_lm_head) and once without it, and the GGUF
+inputs) with an int8 LM head (engine.loading.quantization.quantize_lm_head) and once without it, and the GGUF
 file's own Q4_1 linears and Q8_0 head kept quantized (quantization="gguf", native). The embedding stays
 fp32 in every scheme (a lookup reads one row of it); the LM head too unless a row says otherwise.
 Speeds are reported, never asserted; the machine, its CPU flags and the thread count are recorded.
@@ -61,10 +61,10 @@ from benchmarks._peers import (  # noqa: E402
     run_llamacpp,
     time_transformers,
 )
-from engine.kv_cache import KVCache, forward_with_cache, generate_cached  # noqa: E402
+from engine.companions.kv_cache import KVCache, forward_with_cache, generate_cached  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.packed_linear import pack_linears  # noqa: E402
-from engine.quantization import quantize_lm_head, quantize_model, set_backend, weight_bytes_breakdown  # noqa: E402
+from engine.fast.packed_linear import pack_linears  # noqa: E402
+from engine.loading.quantization import quantize_lm_head, quantize_model, set_backend, weight_bytes_breakdown  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 SEED = 0
@@ -77,7 +77,7 @@ ENGINE_KV_BYTES = 64 * 2**20  # 1,456 tokens of fp32 KV: FULL's prompt and decod
 SCHEMES = {
     "fp32": ("fp32", None, None, False),
     "bf16": ("bf16", None, None, False),
-    "fp32 packed": ("fp32 packed", None, None, False),  # the layout the engine runs (engine/packed_linear.py)
+    "fp32 packed": ("fp32 packed", None, None, False),  # the layout the engine runs (engine/fast/packed_linear.py)
     "bf16 packed": ("bf16 packed", None, None, False),
     "int8 packed": ("fp32", "int8", "packed", False),
     "int4-g128 packed": ("fp32", "int4-g128", "packed", False),
@@ -116,7 +116,7 @@ def cpu_flags() -> list[str]:
 
 def load_scheme(label: str, base):
     """A fresh copy of the model for one scheme (``base``: the fp32 model, loaded once)."""
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     how, scheme, backend, head = SCHEMES[label]
     if how == "gguf":
@@ -268,7 +268,7 @@ def compare_prompts(tokenizer) -> list[list[int]]:
 def servelab_gguf_tokens(prompts: list[list[int]], n: int) -> tuple[dict[str, list[list[int]]], list[str]]:
     """Greedy tokens of the "gguf" model (the file's own Q4_1 blocks) per QuantLinear backend, and its
     first-token gaps (``first_token_gaps``, torch backend)."""
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     model, _ = load_model(REAL_MODEL, quantization="gguf")
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -296,7 +296,7 @@ def llamacpp_part(cfg: dict, vocab: int, threads: int, prompts: list[list[int]],
     its environment is missing (the reason is printed and recorded)."""
     from collections import Counter
 
-    from engine.gguf import open_gguf, packaged_gguf_path
+    from engine.loading.gguf import open_gguf, packaged_gguf_path
 
     python, reason = llamacpp_python()
     if python is None:
@@ -414,7 +414,7 @@ def run_servelab(cfg: dict, base) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short prompts, few steps, one repeat (a smoke run)")
@@ -456,7 +456,7 @@ NOTES = """
 Decode and prefill tokens per second of SmolLM2-135M-Instruct per weight scheme, servelab at the batches
 in Settings, the peers at batch 1 (transformers on the same converted folder, llama.cpp on the same GGUF file), on the
 same random token ids, greedy (x_*: ratios to the faster of servelab's two fp32 rows, as loaded or packed, and
-likewise bf16, at the same batch). decode_tok_s times the readable cached loop (engine/kv_cache.py) that every
+likewise bf16, at the same batch). decode_tok_s times the readable cached loop (engine/companions/kv_cache.py) that every
 scheme shares; engine_decode_tok_s times batch-1 decode steps through the engine itself (LLMEngine.step, what
 LLM.generate runs: paged KV read by the C decode-attention kernel, q/k/v and gate/up fused into one matmul each,
 fp32/bf16 linears packed, whatever the row), the path a user runs, all schemes' engines stepping in turn. Every

@@ -8,7 +8,7 @@ Issue 17's table, measured in one run on one machine:
     vLLM (CPU)      ...                    ...                                   ...
     llama.cpp       ...                    (no batched generate)                 ...
 
-Same weights: SmolLM2-135M-Instruct as servelab converts it (engine/gguf.py: the registry package's GGUF
+Same weights: SmolLM2-135M-Instruct as servelab converts it (engine/loading/gguf.py: the registry package's GGUF
 file, dequantized to fp32 into a Hugging Face folder). servelab, transformers and vLLM load that folder;
 llama.cpp reads an F32 GGUF file that we write once from the same GGUF file with the same dequantization,
 so its weights are the very same fp32 numbers (`check_same_weights` compares two tensors exactly).
@@ -101,10 +101,10 @@ def make_prompts(cfg: dict, vocab: int, seed: int = SEED) -> dict:
 def f32_gguf(folder: Path) -> Path:
     """An F32 GGUF file of the GGUF file ``folder`` was converted from (written once, next to the cache).
 
-    We dequantize every tensor exactly as engine/gguf.py does (`gguf.quants.dequantize`) and keep llama.cpp's
+    We dequantize every tensor exactly as engine/loading/gguf.py does (`gguf.quants.dequantize`) and keep llama.cpp's
     own tensor layout and metadata, so llama.cpp multiplies the same fp32 numbers the other engines load.
     """
-    from engine.gguf import PROVENANCE_FILE, cache_root
+    from engine.loading.gguf import PROVENANCE_FILE, cache_root
 
     source = json.loads((folder / PROVENANCE_FILE).read_text())
     out = cache_root() / "peers" / f"{folder.name}-{source['sha256'][:12]}.F32.gguf"
@@ -430,7 +430,7 @@ def main(argv=None) -> None:
     import torch
 
     from benchmarks.quantization import cpu_flags
-    from engine.gguf import file_sha256
+    from engine.loading.gguf import file_sha256
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK} (or {QUICK_ENV}=1)")

@@ -13,7 +13,7 @@ The public API is small, in vLLM's shape:
 
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.loader import load_model
+from engine.loading.loader import load_model
 from engine.sampling import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "load_model"]

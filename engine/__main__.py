@@ -17,9 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def cmd_generate(args) -> None:
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         return cmd_generate_parallel(args)
-    from engine.kv_cache import generate_cached
-    from engine.loader import load_model
-    from engine.naive import generate_naive
+    from engine.companions.kv_cache import generate_cached
+    from engine.loading.loader import load_model
+    from engine.companions.naive import generate_naive
     from engine.sampling import SamplingParams
     from engine.threads import check_num_threads, default_num_threads, torch_threads
     from engine.tokenizer import encode_prompt
@@ -64,7 +64,7 @@ def cmd_generate_parallel(args) -> None:
 def cmd_eval(args) -> None:
     from engine.lab import tasks
     from engine.lab.eval import evaluate_model
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
                             quantization="gguf" if args.quant == "gguf" else None)
@@ -86,7 +86,7 @@ def _quantize_for_eval(model, tok, args) -> str:
     import warnings
 
     from engine.lab.tasks import training_corpus
-    from engine.quantization import (
+    from engine.loading.quantization import (
         calibration_batches,
         get_scheme,
         quantize_lm_head,
@@ -124,7 +124,7 @@ def cmd_demo(args) -> None:
 
 def cmd_kv_size(args) -> None:
     from engine.config import MODEL_PRESETS
-    from engine.memory import dtype_bytes, kv_cache_bytes
+    from engine.companions.memory import dtype_bytes, kv_cache_bytes
 
     if args.preset not in MODEL_PRESETS:
         sys.exit(f"unknown --preset {args.preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
@@ -206,10 +206,10 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from engine.admission import api_keys_from_args, limits_from_args
-    from engine.dashboard import attach_dashboard
+    from engine.serving.admission import api_keys_from_args, limits_from_args
+    from engine.serving.dashboard import attach_dashboard
     from engine.llm_engine import LLMEngine
-    from engine.server import build_app, serve
+    from engine.serving.server import build_app, serve
 
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                "enable_chunked_prefill": args.enable_chunked_prefill, "block_size": args.block_size,
@@ -224,8 +224,8 @@ def cmd_serve(args) -> None:
 
 
 def cmd_dashboard(args) -> None:
-    from engine.dashboard import replay_app
-    from engine.server import serve
+    from engine.serving.dashboard import replay_app
+    from engine.serving.server import serve
     from engine.trace import Trace
 
     app, player = replay_app(Trace.load(args.replay), speed=args.speed)
@@ -235,13 +235,13 @@ def cmd_dashboard(args) -> None:
 
 
 def cmd_diagnose(args) -> None:
-    from engine.diagnose import main as diagnose_main
+    from engine.serving.diagnose import main as diagnose_main
 
     diagnose_main(args.trace)
 
 
 def cmd_bench_serve(args) -> None:
-    from engine.bench_serve import run_cli
+    from engine.serving.bench_serve import run_cli
 
     run_cli(args)
 
@@ -262,11 +262,11 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument("--no-dashboard", action="store_true", help="do not serve the classroom page /dashboard")
     s.add_argument("--tenant-max-running", type=int, default=None,
                    help="the scheduler's per-tenant quota of running requests (chapter 05)")
-    from engine.admission import add_arguments as add_admission_arguments
+    from engine.serving.admission import add_arguments as add_admission_arguments
 
     add_admission_arguments(s)
     s.set_defaults(func=cmd_serve)
-    from engine.bench_serve import add_arguments
+    from engine.serving.bench_serve import add_arguments
 
     b = sub.add_parser("bench", help="benchmarks: `bench serve` loads a running server like vLLM's")
     bench = b.add_subparsers(dest="bench_command", required=True)
@@ -276,7 +276,7 @@ def _add_serve_parsers(sub) -> None:
 
 
 def _quant_schemes() -> list[str]:
-    from engine.quantization import SCHEMES
+    from engine.loading.quantization import SCHEMES
 
     return list(SCHEMES)
 

@@ -3,7 +3,7 @@
 Every config is a plain dataclass with units in its field names and a `__post_init__` that checks
 each value and says what to change when it is wrong. `ModelConfig` is read from a Hugging Face
 `config.json`, or taken from `MODEL_PRESETS` (published models, for the arithmetic of
-engine/memory.py and engine/roofline.py); the others describe how the engine runs it (later
+engine/companions/memory.py and engine/companions/roofline.py); the others describe how the engine runs it (later
 chapters add fields).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.threads import check_num_threads
 
-WEIGHT_LAYOUTS = ("auto", "linear", "packed")  # engine/packed_linear.py
+WEIGHT_LAYOUTS = ("auto", "linear", "packed")  # engine/fast/packed_linear.py
 
 # The architectures whose weights map onto our one Llama-family decoder (see engine/model.py).
 # value: does the architecture put a bias on the q/k/v projections?
@@ -135,7 +135,7 @@ class ModelConfig:
         )
 
     def param_breakdown(self) -> dict[str, int]:
-        """Parameters by part; `num_params` and engine/memory.py's byte counts both add these up.
+        """Parameters by part; `num_params` and engine/companions/memory.py's byte counts both add these up.
 
         Per layer: the q/k/v/o projections (and their biases), gate/up/down (and theirs), two RMSNorms.
         """
@@ -179,7 +179,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
 # the number was copied from (head_dim, where a config.json leaves it out, is hidden_size //
 # num_attention_heads, written here so every factor of the KV formula is in sight). Only the fields
 # that decide sizes are set (rope and norm settings keep our defaults): enough for every count in
-# engine/memory.py and engine/roofline.py, and to build the model on the `meta` device, not to load
+# engine/companions/memory.py and engine/companions/roofline.py, and to build the model on the `meta` device, not to load
 # its real weights. The configs are shared: change a copy (`dataclasses.replace(MODEL_PRESETS[name],
 # ...)`), never a preset in place.
 MODEL_PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
@@ -215,7 +215,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
 
 # The KV budget when neither num_blocks nor kv_cache_memory_bytes is given. vLLM's CPU backend
 # sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB, 4 unless set); we read SERVELAB_KVCACHE_SPACE the
-# same way (engine/kv_pool.py), but default to 1 GiB: servelab runs in notebooks on laptops, two test
+# same way (engine/kv/kv_pool.py), but default to 1 GiB: servelab runs in notebooks on laptops, two test
 # workers may each hold an engine, and the pool is zero-filled up front. 1 GiB holds 23,000 tokens of
 # SmolLM2-135M in fp32 (almost 3 requests at its full 8192-token context).
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 * 2**30
@@ -294,13 +294,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
     num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)
-    # How the linear layers' weights are laid out for the matmuls (engine/packed_linear.py): "linear" keeps
+    # How the linear layers' weights are laid out for the matmuls (engine/fast/packed_linear.py): "linear" keeps
     # nn.Linear's [N, K]; "packed" stores [K, N] in one column block per thread; "auto" packs fp32 on a CPU.
     weight_layout: str = "auto"
     # "auto": a decode step of a few sequences (up to 16 in fp32, 8 in bf16 on CPUs with bf16 instructions: where
-    # the C matrix-vector kernel beats oneDNN, engine/packed_linear.py) runs every decoder layer in one C call where
-    # the packed model and the pools allow it (engine/native_layers.py), and longer steps run RMSNorm, SiLU-times-up
-    # and RoPE as fused C ops (engine/native_ops.py); "python" always runs engine/model.py's PyTorch layers as written.
+    # the C matrix-vector kernel beats oneDNN, engine/fast/packed_linear.py) runs every decoder layer in one C call where
+    # the packed model and the pools allow it (engine/fast/native_layers.py), and longer steps run RMSNorm, SiLU-times-up
+    # and RoPE as fused C ops (engine/fast/native_ops.py); "python" always runs engine/model.py's PyTorch layers as written.
     layer_backend: str = "auto"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 

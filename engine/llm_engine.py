@@ -16,7 +16,7 @@ Documented behaviours:
   tokenizer, stop_token_ids outside the vocabulary, a prompt of max_position_embeddings tokens or
   more, a duplicate request id, a priority that is not an int, and a request that could not fit in
   the whole KV pool even alone. `max_tokens` is CLAMPED so that prompt + max_tokens
-  <= max_position_embeddings (what `engine.naive` does: generation stops at the context with
+  <= max_position_embeddings (what `engine.companions.naive` does: generation stops at the context with
   finish_reason "length"). n > max_num_seqs is rejected (the samples could never run together).
 - n > 1: the request's samples are sequences "<id>", "<id>#1", ..., forked from the prompt's
   blocks at the first token (see engine/request.py); `abort_request("<id>")` stops them all.
@@ -45,15 +45,15 @@ from collections.abc import Callable
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.config import DEFAULT_ATTENTION_BACKEND, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from engine.fused_projections import fuse_projections
-from engine.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
+from engine.fast.fused_projections import fuse_projections
+from engine.kv.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
-from engine.native_ops import with_native_ops
-from engine.packed_linear import pack_linears, use_packed
-from engine.prefix_cache import cache_key
-from engine.prefix_cache import model_id as weights_id
+from engine.fast.native_ops import with_native_ops
+from engine.fast.packed_linear import pack_linears, use_packed
+from engine.kv.prefix_cache import cache_key
+from engine.kv.prefix_cache import model_id as weights_id
 from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import ModelRunner, PagedAttention
 from engine.sampling import SamplingParams, sample
@@ -108,7 +108,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks, cache.enable_prefix_caching,
                                           self.sliding_window, host_blocks)
         # The prefix cache's key starts with the model's identity: its name and a hash of a sample of its
-        # weights (engine/prefix_cache.py), so new weights never read the old weights' K/V.
+        # weights (engine/kv/prefix_cache.py), so new weights never read the old weights' K/V.
         self.model_id = model_id or weights_id(config.model, cfg, model.state_dict().items())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.num_threads = config.num_threads or default_num_threads(cfg.num_params())
@@ -130,7 +130,7 @@ class LLMEngine:
     def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32",
                         attention_backend: str = DEFAULT_ATTENTION_BACKEND, **options) -> LLMEngine:
         """Load a local Hugging Face-format folder or a bundled model by name; options: `engine_config`."""
-        from engine.loader import load_model
+        from engine.loading.loader import load_model
 
         config = engine_config(model, dtype, attention_backend, **options)
         llama, tokenizer = load_model(model, dtype=getattr(torch, dtype))
@@ -175,7 +175,7 @@ class LLMEngine:
         Prefix caching (when enabled) shares full KV blocks only between requests of the same model id,
         `template_version` (the chat template's version, named by the caller) and scope: `cache_scope`
         None is private to `tenant` (public without one), "private" needs a tenant, "public" shares with
-        every tenant that asks for "public" (e.g. a common system prompt). See engine/prefix_cache.py."""
+        every tenant that asks for "public" (e.g. a common system prompt). See engine/kv/prefix_cache.py."""
         params = SamplingParams() if params is None else params
         request_id = str(self._num_requests if request_id is None else request_id)
         where = f"request {request_id!r}"
@@ -248,7 +248,7 @@ class LLMEngine:
         cache key, so they never read K/V the old weights wrote; the old entries become unreachable and
         are evicted as usual. Returns the new id.
 
-        With packed weights (engine/packed_linear.py) the runner computes with a packed COPY of the model,
+        With packed weights (engine/fast/packed_linear.py) the runner computes with a packed COPY of the model,
         so this is also where that copy is made again from the new weights: after changing weights in
         place, call it before the next step."""
         self.model_id = weights_id(self.config.model, self.model.config, self.model.state_dict().items())
@@ -258,8 +258,8 @@ class LLMEngine:
 
     def _packed_copy(self, model: LlamaModel) -> LlamaModel:
         """The copy the runner computes with in the "packed" layout: q/k/v and gate/up stacked into one matrix
-        each (engine/fused_projections.py), then every nn.Linear packed for this CPU (engine/packed_linear.py), and
-        (layer_backend "auto") RMSNorm, SiLU-times-up and RoPE as fused C ops (engine/native_ops.py)."""
+        each (engine/fast/fused_projections.py), then every nn.Linear packed for this CPU (engine/fast/packed_linear.py), and
+        (layer_backend "auto") RMSNorm, SiLU-times-up and RoPE as fused C ops (engine/fast/native_ops.py)."""
         packed = pack_linears(fuse_projections(model), blocks=self.num_threads)
         return with_native_ops(packed) if self.config.layer_backend == "auto" else packed
 

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.o_bias)
-        self.qkv_proj = None  # an engine may stack q/k/v into one matrix (engine/fused_projections.py)
+        self.qkv_proj = None  # an engine may stack q/k/v into one matrix (engine/fast/fused_projections.py)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, T, H*D], k and v [B, T, Hkv*D]: three matmuls, or one when they are fused."""
@@ -157,7 +157,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, Fi, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(E, Fi, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(Fi, E, bias=cfg.mlp_bias)
-        self.gate_up_proj = None  # or gate and up stacked into one matrix (engine/fused_projections.py)
+        self.gate_up_proj = None  # or gate and up stacked into one matrix (engine/fast/fused_projections.py)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is None:

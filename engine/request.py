@@ -144,7 +144,7 @@ class Request:
     def append_token(self, token: int, logprobs=None) -> bool:
         """Record a sampled token; returns True when the request is now finished (see `finish`).
 
-        The stop rule is `engine.sampling.check_stop`, the same one `engine.naive.run_loop` uses, so
+        The stop rule is `engine.sampling.check_stop`, the same one `engine.companions.naive.run_loop` uses, so
         outputs match the naive loop: text grows only with non-EOS tokens (`shows_text`).
         """
         if self.detokenizer is not None and shows_text(token, self.eos_token_ids):

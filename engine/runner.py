@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.block_manager import BlockManager, BlockMove
-from engine.kv_pool import PagedKVPool
+from engine.kv.block_manager import BlockManager, BlockMove
+from engine.kv.kv_pool import PagedKVPool
 from engine.model import LlamaModel
-from engine.native_layers import NativeLayers, native_layers_or_none
-from engine.packed_linear import bf16_instructions
+from engine.fast.native_layers import NativeLayers, native_layers_or_none
+from engine.fast.packed_linear import bf16_instructions
 from engine.scheduler import ScheduledWork
 from kernels.flash_prefill.cpu_native import flash_prefill_planned
 from kernels.flash_prefill.cpu_native import why_native_cannot_run as why_c_prefill_cannot_run
@@ -107,7 +107,7 @@ class StepPlans:
 class PagedAttention:
     """The attention backend: reads and writes the paged KV cache through a `PagedKVPool`.
 
-    It holds no tensors of its own: the pool (engine/kv_pool.py) owns them and does the block
+    It holds no tensors of its own: the pool (engine/kv/kv_pool.py) owns them and does the block
     copies. `backend`: "torch" (the reference), "sdpa" (its fast batched twin), "native" (decode in C
     straight from the pools, a step's whole prompts in one C flash-prefill call, other prefill chunks as sdpa),
     "triton" or "cuda", or "auto": native where it can run (a
@@ -282,7 +282,7 @@ def run_model(model: LlamaModel, attention: PagedAttention, input_ids: Tensor, p
     This is `LlamaModel.forward` with its last two lines applied to S rows instead of N: with
     long prefill chunks most rows never need logits, and lm_head is the widest matmul (E x V).
     A decode step of a few sequences runs every layer in one C call where `native_layers` is given
-    (engine/native_layers.py): the same arithmetic, without ~540 small torch ops.
+    (engine/fast/native_layers.py): the same arithmetic, without ~540 small torch ops.
     """
     x = model.embed_tokens(input_ids)  # [1, N, E]
     cos, sin = model.rope(positions, x.dtype)  # [1, N, 1, D]

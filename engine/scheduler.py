@@ -43,7 +43,7 @@ already scheduled in this step. Preemption is by:
   transfers, no compute). When the CPU pool is full we fall back to recompute.
 
 The scheduler only decides (queues, victims, who runs). The block manager owns every block table,
-the CPU swap pool's included, and the engine's KV pool (engine/kv_pool.py) moves the tensors:
+the CPU swap pool's included, and the engine's KV pool (engine/kv/kv_pool.py) moves the tensors:
 `SchedulerOutput` lists the block copies it must do before the forward.
 """
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, BlockMove, HostBlock
+from engine.kv.block_manager import BlockManager, BlockMove, HostBlock
 from engine.config import SchedulerConfig
 from engine.request import RUNNING, SWAPPED, WAITING, Request
 

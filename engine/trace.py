@@ -158,7 +158,7 @@ class StepReport:
 @dataclass
 class RequestTimes:
     """One request's life as read back from a trace (times on the engine's clock, seconds): the facts
-    only. The latencies they imply (TTFT, TPOT, ITL, E2E, queueing) are computed in `engine/metrics.py`
+    only. The latencies they imply (TTFT, TPOT, ITL, E2E, queueing) are computed in `engine/companions/metrics.py`
     (`requests_from_trace`), and nowhere else."""
 
     request_id: str

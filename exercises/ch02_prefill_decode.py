@@ -6,7 +6,7 @@ Replace each `raise NotImplementedError(...)` with your code, then run
 
 Notation: L layers, B batch (sequences decoding together), T context (tokens each sequence attends
 to, the new one included), H query heads, Hkv KV heads, D head dim. The engine's version of this
-accounting is `engine.roofline.forward_cost`; try not to peek until the checks pass.
+accounting is `engine.companions.roofline.forward_cost`; try not to peek until the checks pass.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Replace each `raise NotImplementedError(...)` with your code, then run
     python -m exercises check ch03
 
 Notation: L layers, B batch (sequences), T tokens, S slots of a cache, Hkv KV heads, D head dim.
-The engine's versions live in engine/memory.py and engine/kv_cache.py; try not to peek until the
+The engine's versions live in engine/companions/memory.py and engine/companions/kv_cache.py; try not to peek until the
 checks pass.
 """
 

@@ -14,7 +14,7 @@ p % BS, i.e. in slot table[p // BS] * BS + p % BS of the pool:
     positions   0  1  2  3 | 4  5  6  7 | 8  9  .  .
     block           7      |     2      |     5        position 9 -> block 5, offset 1 -> slot 21
 
-The engine's versions live in engine/block_manager.py; try not to peek until the checks pass.
+The engine's versions live in engine/kv/block_manager.py; try not to peek until the checks pass.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 class BlockAllocator:
     """A free list of physical block ids 0..num_blocks-1, with a reference count per block.
 
-    The engine's own class, engine.block_manager.BlockAllocator, has exactly these methods (and
+    The engine's own class, engine.kv.block_manager.BlockAllocator, has exactly these methods (and
     passes the same checks). A block is free (refcount 0, on the free list) or held (refcount >= 1:
     the number of block tables that hold it). Hand out ids from the FRONT of the free list and put
     freed ids at the BACK, so a fresh allocator hands out 0, 1, 2, ...
@@ -53,7 +53,7 @@ class BlockAllocator:
 
     def allocate(self) -> int:
         """Take the first free block; its refcount becomes 1. With none free, raise
-        engine.block_manager.NoFreeBlocksError (a RuntimeError a scheduler can catch)."""
+        engine.kv.block_manager.NoFreeBlocksError (a RuntimeError a scheduler can catch)."""
         raise NotImplementedError("take from the front of the free list; what if it is empty?")
 
     def allocate_many(self, n: int) -> list[int]:
@@ -96,7 +96,7 @@ def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: 
                        allocator: BlockAllocator) -> tuple[list[int], list[tuple[int, int]]]:
     """Fork a sequence (the child shares every block of the parent), then the child writes `new_tokens`.
 
-    `allocator` holds the parent's blocks (an engine.block_manager.BlockAllocator, or yours). Return
+    `allocator` holds the parent's blocks (an engine.kv.block_manager.BlockAllocator, or yours). Return
     (child's block table, copies), leaving every refcount right: each block counts the tables that
     hold it. If the child writes into the shared last block while it is partly filled, it must first
     get a private copy: allocate a block, put it in place of the last one in the child's table, and

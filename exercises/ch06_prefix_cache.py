@@ -10,13 +10,13 @@ Part 1 builds the prefix cache's lookup by hand. A full block of BS tokens is na
     h1 = block_hash(h0,   tokens[4:8],  extra)        h1 names the whole prefix tokens[0:8]
     tokens[8:10]: a partial block, never hashed
 
-`block_hash` and `block_hashes` have the engine's names and signatures (engine/prefix_cache.py), and the
+`block_hash` and `block_hashes` have the engine's names and signatures (engine/kv/prefix_cache.py), and the
 checks demand the engine's exact hashes; `find_cached_prefix` is `BlockManager.find_cached_prefix` with
 the cache passed in as a plain dict.
 
 Part 2 is a BUG ZOO: three small functions of a prefix cache, each with one classic bug planted. Each
 starts with a `raise NotImplementedError(BUG_ZOO)` line: delete that line, run the checks to see the bug
-bite, then find it and fix it. Try not to peek at engine/block_manager.py until the checks pass.
+bite, then find it and fix it. Try not to peek at engine/kv/block_manager.py until the checks pass.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
-from engine.prefix_cache import PUBLIC_SCOPE
-from engine.prefix_cache import block_hashes as engine_block_hashes
+from engine.kv.prefix_cache import PUBLIC_SCOPE
+from engine.kv.prefix_cache import block_hashes as engine_block_hashes
 
 BUG_ZOO = "a planted bug lives below this line: delete this raise, run the checks, then find and fix the bug"
 

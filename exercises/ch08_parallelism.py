@@ -21,7 +21,7 @@ When W ranks do not divide n rows (or columns) evenly, split them as evenly as c
 ranks one longer (as engine/parallel/pipeline.py's stage_layers splits layers): 10 rows over 4 ranks are
 3, 3, 2, 2. (The engine's own TP layers split only evenly, because a rank must hold whole heads.)
 
-`allreduce_bytes_per_token` has the engine's name and signature (engine/placement.py), and the engine's
+`allreduce_bytes_per_token` has the engine's name and signature (engine/companions/placement.py), and the engine's
 version passes the same checks; try not to peek until yours does.
 """
 
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F  # noqa: F401
 
 from engine.config import ModelConfig
-from engine.memory import dtype_bytes, kv_bytes_per_token  # noqa: F401
+from engine.companions.memory import dtype_bytes, kv_bytes_per_token  # noqa: F401
 
-RESERVE_FRACTION = 0.10  # engine/memory.py's ACTIVATION_RESERVE_FRACTION: kept back for activations
+RESERVE_FRACTION = 0.10  # engine/companions/memory.py's ACTIVATION_RESERVE_FRACTION: kept back for activations
 
 
 def column_shard(weight: torch.Tensor, bias: torch.Tensor | None, rank: int,
@@ -78,7 +78,7 @@ def allreduce_bytes_per_token(model: ModelConfig, tp: int, dtype) -> float:
 
     Every layer all-reduces twice (after attention's o_proj and after the MLP's down_proj) a message of one
     token's [E] activations (model.hidden_size values of `dtype`: "fp32" 4 bytes, "bf16"/"fp16" 2,
-    "fp8"/"int8" 1; engine.memory.dtype_bytes knows them). A ring all-reduce of an n-byte message sends
+    "fp8"/"int8" 1; engine.companions.memory.dtype_bytes knows them). A ring all-reduce of an n-byte message sends
     2 (tp - 1) / tp x n bytes from each GPU: a reduce-scatter then an all-gather, (tp - 1) / tp each.
     Layers: model.num_hidden_layers.
     """
@@ -110,7 +110,7 @@ def pick_layout(model: ModelConfig, device_memory_bytes: int, num_devices: int, 
         ceil(V / tp) rows of the embedding (and of the LM head, unless it is tied), whole norms
 
     which is itself a smaller model, so `dataclasses.replace` of `model` with those four numbers gives its
-    `num_params()` and `engine.memory.kv_bytes_per_token`. tp fits when, in bytes, on one GPU:
+    `num_params()` and `engine.companions.memory.kv_bytes_per_token`. tp fits when, in bytes, on one GPU:
 
         ceil(params x dtype bytes) + ceil(device_memory_bytes x RESERVE_FRACTION) + context_tokens x KV per token
             <= device_memory_bytes

@@ -12,7 +12,7 @@ One request, on one clock (seconds): it arrived, then its tokens came at `token_
     ITL:       <- t1-t0 -><t2-t1><-- t3-t2 --->      n - 1 gaps, one per token after the first
     TPOT:      (t3 - t0) / 3 = the mean of the gaps   (not / 4: the first token has no gap before it)
 
-Percentiles are NEAREST RANK ones, as engine/metrics.py computes them: the P-th percentile of n values
+Percentiles are NEAREST RANK ones, as engine/companions/metrics.py computes them: the P-th percentile of n values
 is the ceil(P / 100 * n)-th smallest value, always one that was really observed (no interpolation).
 """
 

@@ -5,7 +5,7 @@ Replace each `raise NotImplementedError(...)` with your code, then run
 
     python -m exercises check ch10
 
-The gates in front of the engine (engine/admission.py), checked when a request arrives:
+The gates in front of the engine (engine/serving/admission.py), checked when a request arrives:
 
     new request ──► its tenant's token bucket        empty ──────► 429 + Retry-After (that tenant only)
                 ──► requests in flight >= max_num_queued_reqs ───► 503 + Retry-After (everybody)
@@ -20,15 +20,15 @@ GIVEN (`now`, in seconds: a fake clock in a test, the engine's clock in the serv
     now   0.0   0.0   0.0   0.0   0.0   0.0          0.5               100.0
     level 5->4  4->3  3->2  2->1  1->0  0: wait 0.5 s  refilled to 1, 1->0  refilled to 5, not 199: the burst caps it
 
-`TokenBucket` and `arrival_halves` have the engine's names and signatures (engine/admission.py,
-engine/diagnose.py) and the engine's own versions pass the same checks; try not to peek until yours do.
+`TokenBucket` and `arrival_halves` have the engine's names and signatures (engine/serving/admission.py,
+engine/serving/diagnose.py) and the engine's own versions pass the same checks; try not to peek until yours do.
 """
 
 from __future__ import annotations
 
 import math  # noqa: F401
 
-from engine.diagnose import RequestSplit
+from engine.serving.diagnose import RequestSplit
 
 
 class TokenBucket:
@@ -96,7 +96,7 @@ def max_num_queued_tokens_for(ttft_target_s: float, prefill_tokens_per_s: float)
 def arrival_halves(splits: list[RequestSplit]) -> tuple[list[RequestSplit], list[RequestSplit]]:
     """The requests that arrived in the first half of the arrival WINDOW, and the rest.
 
-    `splits` are in arrival order (engine.diagnose.request_splits gives them; only `.arrival_time` matters
+    `splits` are in arrival order (engine.serving.diagnose.request_splits gives them; only `.arrival_time` matters
     here). The window runs from the first arrival to the last; a request arriving at its middle or later is
     in the second half. We split by time, not by count, so that a flood in the second half stays there:
 

@@ -7,7 +7,7 @@ import torch
 from engine.config import ModelConfig
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import LlamaModel
-from engine.naive import generate_naive
+from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 
 VOCAB = 101

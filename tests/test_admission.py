@@ -1,4 +1,4 @@
-"""Chapter 10: the admission policy (engine/admission.py) on its own: token buckets, queue caps and deadlines,
+"""Chapter 10: the admission policy (engine/serving/admission.py) on its own: token buckets, queue caps and deadlines,
 driven by a clock we set by hand. No HTTP, no threads, no timing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.admission import (
+from engine.serving.admission import (
     MAX_TRACKED_BUCKETS,
     Admission,
     AdmissionLimits,

@@ -17,7 +17,7 @@ from engine_fixtures import CONTEXT, VOCAB, random_model
 
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.naive import generate_naive
+from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 
 GOOD_PROMPT = [5, 17, 42, 3]

@@ -1,6 +1,6 @@
 """Chapter 09: `python -m engine bench serve`, the load generator. Its arrival process and request lengths,
 its goodput, vLLM's table, and a bounded run against a loopback server whose client-side metrics agree
-with the ones `engine/metrics.py` recomputes from the server's own trace."""
+with the ones `engine/companions/metrics.py` recomputes from the server's own trace."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from engine.__main__ import main
-from engine.bench_serve import (
+from engine.serving.bench_serve import (
     RequestResult,
     add_arguments,
     arrival_offsets,
@@ -23,9 +23,9 @@ from engine.bench_serve import (
     result_dict,
 )
 from engine.llm_engine import LLMEngine, engine_config
-from engine.loader import load_model
-from engine.metrics import SLO, RequestTiming, requests_from_trace, std
-from engine.server import BackgroundServer, build_app
+from engine.loading.loader import load_model
+from engine.companions.metrics import SLO, RequestTiming, requests_from_trace, std
+from engine.serving.server import BackgroundServer, build_app
 
 MODEL = "tinylab"
 WAIT_S = 60.0  # a bound against hanging, never a timing claim

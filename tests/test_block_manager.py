@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import AppendResult, BlockAllocator, BlockManager, NoFreeBlocksError, SwapUsage
-from engine.prefix_cache import block_hashes
+from engine.kv.block_manager import AppendResult, BlockAllocator, BlockManager, NoFreeBlocksError, SwapUsage
+from engine.kv.prefix_cache import block_hashes
 
 # Small pools so that running out of blocks (the all-or-nothing path) happens often.
 MAX_BLOCKS = 12

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from engine.llm_engine import engine_config
-from engine.loader import bundled_model_path, load_model
+from engine.loading.loader import bundled_model_path, load_model
 
 BROKEN_CONFIGS = {
     "not JSON": ('{"hidden_size": ', r"config\.json is not valid JSON"),

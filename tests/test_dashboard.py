@@ -11,9 +11,9 @@ import httpx
 import pytest
 from engine_fixtures import mixed_workload, random_model
 
-from engine.dashboard import CACHED, LiveStats, attach_dashboard, replay_app
+from engine.serving.dashboard import CACHED, LiveStats, attach_dashboard, replay_app
 from engine.llm_engine import LLMEngine, engine_config
-from engine.server import BackgroundServer, build_app
+from engine.serving.server import BackgroundServer, build_app
 from engine.trace import Trace
 
 

@@ -1,5 +1,5 @@
 """Chapter 10: each planted incident (engine/lab/incidents.py), run on the engine, is diagnosed as its own
-cause by walking the troubleshooting order (engine/diagnose.py), and a healthy run is called healthy. Step (6)
+cause by walking the troubleshooting order (engine/serving/diagnose.py), and a healthy run is called healthy. Step (6)
 compares task scores (a quality record), so a change that is faster but wrong is caught too."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 
 from engine.__main__ import main as cli
-from engine.diagnose import PERPLEXITY_GROWTH, QUALITY_DROP, diagnose, request_splits
+from engine.serving.diagnose import PERPLEXITY_GROWTH, QUALITY_DROP, diagnose, request_splits
 from engine.lab.incidents import run_scenario, scenarios, usable_vocab
-from engine.loader import load_model
+from engine.loading.loader import load_model
 from engine.trace import Trace
 
 EXPECTED = {  # scenario -> the rule that must explain it

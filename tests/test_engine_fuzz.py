@@ -20,7 +20,7 @@ from engine_fixtures import VOCAB, random_model
 
 from engine import llm_engine, runner
 from engine.llm_engine import LLMEngine, engine_config
-from engine.naive import generate_naive
+from engine.companions.naive import generate_naive
 from engine.request import RUNNING, SWAPPED, WAITING
 from engine.sampling import SamplingParams
 

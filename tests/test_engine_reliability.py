@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine import llm_engine, runner
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.naive import generate_naive
+from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 
 MAX_STEPS = 2000  # far above what any example needs: a stuck engine fails instead of hanging

@@ -3,7 +3,7 @@ path must give exactly the completions of the cached loop it replaces (so a scor
 
 from engine.lab import tasks
 from engine.lab.eval import engine_generate_fn, greedy_generate_fn
-from engine.loader import load_model
+from engine.loading.loader import load_model
 
 
 def test_engine_generation_equals_the_cached_loop_on_task_prompts():

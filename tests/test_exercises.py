@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import exercises
-from engine import admission, block_manager, diagnose, memory, placement, sampling
+from engine import sampling
+from engine.companions import memory, placement
+from engine.kv import block_manager
+from engine.serving import admission, diagnose
 from exercises.__main__ import main
 from exercises.solutions import ch01_sampling as ch01_solutions
 

@@ -1,4 +1,4 @@
-"""Fused projections (engine/fused_projections.py): q/k/v stacked into one matrix and gate/up into another give
+"""Fused projections (engine/fast/fused_projections.py): q/k/v stacked into one matrix and gate/up into another give
 the model's own logits; the model passed in is left alone; layers that cannot be stacked stay separate; the
 engine (which fuses, then packs) still gives the naive loop's greedy tokens, quantized models included."""
 
@@ -12,9 +12,9 @@ from engine_fixtures import mixed_workload, naive_outputs, random_model, run_eng
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.fused_projections import fuse_projections, stack_linears
+from engine.fast.fused_projections import fuse_projections, stack_linears
 from engine.model import LlamaModel
-from engine.quantization import QuantLinear, quantize_model
+from engine.loading.quantization import QuantLinear, quantize_model
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8, 61]])
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.kv_cache import GROW_CHUNK_TOKENS, KVCache, SlidingWindowKVCache, forward_with_cache, generate_cached
-from engine.memory import kv_cache_bytes
+from engine.companions.kv_cache import GROW_CHUNK_TOKENS, KVCache, SlidingWindowKVCache, forward_with_cache, generate_cached
+from engine.companions.memory import kv_cache_bytes
 from engine.model import LlamaModel
-from engine.naive import generate_naive
+from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -13,9 +13,9 @@ from test_paged_attention import DEVICE, make_paged_cache
 
 from engine.config import CacheConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.memory import kv_block_bytes
+from engine.companions.memory import kv_block_bytes
 from engine.model import NoCacheAttention
-from engine.naive import generate_naive
+from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 from kernels.paged_attention import paged_decode_attention, write_kv
 from kernels.paged_attention.reference import (

@@ -5,12 +5,12 @@ import pytest
 import torch
 from engine_fixtures import random_model
 
-from engine.block_manager import BlockManager, BlockMove, HostBlock
+from engine.kv.block_manager import BlockManager, BlockMove, HostBlock
 from engine.config import CacheConfig
-from engine.kv_pool import PagedKVPool
+from engine.kv.kv_pool import PagedKVPool
 from engine.llm_engine import LLMEngine, engine_config
-from engine.naive import generate_naive
-from engine.prefix_cache import block_hashes
+from engine.companions.naive import generate_naive
+from engine.kv.prefix_cache import block_hashes
 from engine.sampling import SamplingParams
 
 BS = 4

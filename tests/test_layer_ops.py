@@ -1,4 +1,4 @@
-"""The fused C layer ops (kernels/layer_ops, engine/native_ops.py) against their PyTorch twins in engine/model.py."""
+"""The fused C layer ops (kernels/layer_ops, engine/fast/native_ops.py) against their PyTorch twins in engine/model.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 
 from engine.model import RMSNorm, apply_rope
-from engine.native_ops import NativeAttention, NativeMLP, NativeRMSNorm
+from engine.fast.native_ops import NativeAttention, NativeMLP, NativeRMSNorm
 from kernels.layer_ops import (
     argmax_rows_native,
     rms_norm_native,

@@ -9,8 +9,8 @@ from engine_fixtures import CONTEXT, mixed_workload, naive_outputs, random_model
 
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.loader import bundled_model_path
-from engine.naive import generate_naive
+from engine.loading.loader import bundled_model_path
+from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 
@@ -261,7 +261,7 @@ def test_a_step_report_accounts_for_blocks_and_queues(model):
 @pytest.mark.skipif(not bundled_model_path("tinylab").exists(),
                     reason="the bundled tinylab checkpoint is not built yet (engine/models/tinylab)")
 def test_tinylab_generate_equals_the_naive_loop():
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     llama, tokenizer = load_model("tinylab")
     prompts = ["12+7=", "Once upon a time", "x"]

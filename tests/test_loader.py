@@ -8,7 +8,7 @@ from hf_oracle import save_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from engine import load_model
-from engine.naive import full_logits
+from engine.companions.naive import full_logits
 
 
 @pytest.fixture

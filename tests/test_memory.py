@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine.config import MODEL_PRESETS, ModelConfig
-from engine.loader import read_config
-from engine.memory import (
+from engine.loading.loader import read_config
+from engine.companions.memory import (
     DTYPE_BYTES,
     GPU_MEMORY_GB,
     activation_breakdown,

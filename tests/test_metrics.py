@@ -1,4 +1,4 @@
-"""Serving metrics (engine/metrics.py), checked against numbers worked out by hand in the comments.
+"""Serving metrics (engine/companions/metrics.py), checked against numbers worked out by hand in the comments.
 
 The hand-built trace (one second per step, steps end at 1, 2, 3, 4 s):
 
@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from engine.metrics import (
+from engine.companions.metrics import (
     SLO,
     Distribution,
     RequestTiming,

@@ -1,4 +1,4 @@
-"""The C decoder layers (kernels/decoder_layers, engine/native_layers.py): a decode step of a few sequences runs
+"""The C decoder layers (kernels/decoder_layers, engine/fast/native_layers.py): a decode step of a few sequences runs
 every layer in one C call. Oracles: the naive loop (greedy tokens, fp32) and engine/model.py's layers (the
 hidden state after all layers, fp32, bf16 and quantized weights)."""
 
@@ -12,8 +12,8 @@ from engine_fixtures import mixed_workload, naive_outputs, random_model, run_eng
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.native_layers import NativeLayers, why_native_layers_cannot_run
-from engine.quantization import quantize_model
+from engine.fast.native_layers import NativeLayers, why_native_layers_cannot_run
+from engine.loading.quantization import quantize_model
 from engine.runner import run_model
 from kernels.decoder_layers import decoder_layers_native
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load

@@ -21,12 +21,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.admission import AdmissionLimits, RateLimit
+from engine.serving.admission import AdmissionLimits, RateLimit
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.loader import load_model
+from engine.loading.loader import load_model
 from engine.sampling import SamplingParams
-from engine.server import BackgroundServer, build_app
+from engine.serving.server import BackgroundServer, build_app
 
 MODEL = "tinylab"
 TEXT = "Once upon a time there was a little fox who lived in a big green forest near the river and every day"

@@ -1,4 +1,4 @@
-"""Packed weights (engine/packed_linear.py): the same numbers as nn.Linear, in the layout the CPU streams fastest.
+"""Packed weights (engine/fast/packed_linear.py): the same numbers as nn.Linear, in the layout the CPU streams fastest.
 
 The claims: a PackedLinear computes what its nn.Linear computes (any batch shape, with and without bias, any
 block count, N divisible or not); packing copies the model and leaves the original alone; only plain
@@ -13,11 +13,11 @@ import torch
 from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from torch import nn
 
-from engine import packed_linear
+from engine.fast import packed_linear
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.naive import generate_naive
-from engine.packed_linear import (
+from engine.companions.naive import generate_naive
+from engine.fast.packed_linear import (
     GEMV_MAX_ROWS,
     PackedLinear,
     bf16_instructions,
@@ -25,7 +25,7 @@ from engine.packed_linear import (
     pack_linears,
     use_packed,
 )
-from engine.quantization import QuantLinear, quantize_model
+from engine.loading.quantization import QuantLinear, quantize_model
 from engine.sampling import SamplingParams
 from kernels.gemv import why_gemv_cannot_run
 

@@ -16,7 +16,7 @@ import torch
 from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.loader import load_model
+from engine.loading.loader import load_model
 from engine.model import LlamaModel
 from engine.parallel.comm import ring_allreduce_link_bytes
 from engine.parallel.pipeline import StageTimeline, split_into_micro_batches, stage_layers

@@ -1,16 +1,16 @@
 """Chapter 08: which TP x PP x replica layouts fit, with memory, KV capacity and traffic per token.
 
 Every expected number is worked out here by hand from the published config.json numbers (written
-out below), not read back from engine/placement.py.
+out below), not read back from engine/companions/placement.py.
 """
 
 import re
 
 import pytest
 
-from engine import memory
+from engine.companions import memory
 from engine.config import MODEL_PRESETS
-from engine.placement import (
+from engine.companions.placement import (
     DEVICE_PRESETS,
     INTERCONNECT_PRESETS,
     Device,

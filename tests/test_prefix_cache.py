@@ -21,12 +21,12 @@ import torch
 from engine_fixtures import VOCAB, random_model
 from matplotlib.colors import to_rgba
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.config import CacheConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.metrics import prefix_cache_stats, trace_metrics
-from engine.naive import generate_naive
-from engine.prefix_cache import PUBLIC_SCOPE, block_hash, block_hashes, cache_key, cache_scope, model_id
+from engine.companions.metrics import prefix_cache_stats, trace_metrics
+from engine.companions.naive import generate_naive
+from engine.kv.prefix_cache import PUBLIC_SCOPE, block_hash, block_hashes, cache_key, cache_scope, model_id
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 from engine.viz.blocks import CACHED_COLOR, FREE_COLOR, block_snapshot, render_block_grid
@@ -90,7 +90,7 @@ def test_every_extra_key_changes_every_block_hash():
 def test_block_hashes_are_the_same_in_another_python_process():
     """Python's hash() is salted per process; a stable hash gives the same value under any PYTHONHASHSEED."""
     ids, key = tokens(12, 3), ("m:1", "v1", "tenant:acme")
-    code = f"from engine.prefix_cache import block_hashes; print(block_hashes({ids}, {BS}, {key!r}))"
+    code = f"from engine.kv.prefix_cache import block_hashes; print(block_hashes({ids}, {BS}, {key!r}))"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()

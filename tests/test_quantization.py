@@ -27,9 +27,9 @@ from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 from torch import nn
 
 from engine import load_model
-from engine.kv_cache import generate_cached
+from engine.companions.kv_cache import generate_cached
 from engine.lab import tasks
-from engine.quantization import (
+from engine.loading.quantization import (
     SCHEMES,
     QuantLinear,
     calibration_batches,
@@ -265,7 +265,7 @@ def test_real_model_q4_1_blocks_give_the_fp32_conversions_logits():
     """SmolLM2-135M-Instruct's 210 decoder linears are Q4_1: as int4 g32 layers (80 MB instead of 425 MB
     of fp32) they give the converted model's logits to 4e-5 (measured; logits reach ~27). Its tied head
     is Q8_0 and becomes an int8 layer too (the embedding stays the fp32 conversion). ~30 s."""
-    from engine import gguf
+    from engine.loading import gguf
 
     try:
         gguf.packaged_gguf_path("smollm2-135m-instruct")

@@ -6,8 +6,8 @@ Expected numbers are worked out by hand in the comments, never copied from the c
 import pytest
 
 from engine.config import MODEL_PRESETS, ModelConfig
-from engine.memory import kv_cache_bytes
-from engine.roofline import (
+from engine.companions.memory import kv_cache_bytes
+from engine.companions.roofline import (
     ForwardCost,
     MachineRoofline,
     attainable_flops,

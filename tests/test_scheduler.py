@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import RUNNING, SWAPPED, WAITING, Request
 from engine.sampling import SamplingParams

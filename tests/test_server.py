@@ -14,12 +14,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AsyncLLMEngine
+from engine.serving.async_engine import AsyncLLMEngine
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.loader import load_model
+from engine.loading.loader import load_model
 from engine.sampling import SamplingParams
-from engine.server import BackgroundServer, build_app
+from engine.serving.server import BackgroundServer, build_app
 
 MODEL = "tinylab"
 PROMPTS = ["12+7=", "Finn lived in a small house near the school.", "The fox"]  # [1]: a story opening, a long answer

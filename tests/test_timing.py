@@ -1,10 +1,10 @@
-"""engine/timing.py: every contender is called once per round, in turn, and its median is reported."""
+"""engine/companions/timing.py: every contender is called once per round, in turn, and its median is reported."""
 
 import time
 
 import torch
 
-from engine.timing import cache_flusher, interleaved_medians_ms
+from engine.companions.timing import cache_flusher, interleaved_medians_ms
 
 
 def test_calls_interleave_and_medians_order_the_contenders():

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from engine import load_model
-from engine.kv_cache import generate_cached
+from engine.companions.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.lab.eval import evaluate_model
 from engine.lab.training import (
@@ -23,8 +23,8 @@ from engine.lab.training import (
     teacher_forced_exact,
     train,
 )
-from engine.loader import bundled_model_path
-from engine.naive import full_logits, generate_naive
+from engine.loading.loader import bundled_model_path
+from engine.companions.naive import full_logits, generate_naive
 from engine.sampling import SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden" / "tinylab_greedy.json"

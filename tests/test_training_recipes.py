@@ -7,7 +7,7 @@ from tokenizers import Tokenizer
 
 from engine.lab import tasks
 from engine.lab.training import RECIPES, TrainConfig, documents, encode_example, lr_at, word_pointers
-from engine.loader import bundled_model_path
+from engine.loading.loader import bundled_model_path
 
 
 def _tokenizer() -> Tokenizer:

@@ -6,7 +6,7 @@ import matplotlib.colors as mcolors
 import pytest
 from matplotlib.figure import Figure
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.viz.blocks import (
     FREE_COLOR,
     SHARED_HATCH,

@@ -7,7 +7,7 @@ from matplotlib.figure import Figure
 
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine, engine_config
-from engine.metrics import requests_from_trace, trace_metrics
+from engine.companions.metrics import requests_from_trace, trace_metrics
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 from engine.viz.engine import (

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from engine.roofline import MachineRoofline
+from engine.companions.roofline import MachineRoofline
 from engine.viz.memory import (
     attention_variants,
     calculator_shape,

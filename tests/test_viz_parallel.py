@@ -8,9 +8,9 @@ from matplotlib.figure import Figure
 
 from engine.config import MODEL_PRESETS
 from engine.llm import LLM
-from engine.loader import load_model
-from engine.parallel.replicas import ReplicaPool
-from engine.placement import INTERCONNECT_PRESETS, plan_layout
+from engine.loading.loader import load_model
+from engine.replicas.replicas import ReplicaPool
+from engine.companions.placement import INTERCONNECT_PRESETS, plan_layout
 from engine.sampling import SamplingParams
 from engine.viz.parallel import (
     render_comm_per_token,

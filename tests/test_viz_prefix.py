@@ -4,8 +4,8 @@ the measurement figures draw the numbers they are given."""
 import matplotlib.colors as mcolors
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.prefix_cache import block_hashes, cache_key
+from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import block_hashes, cache_key
 from engine.viz.prefix import (
     HIT_WIDTH,
     PARTIAL_COLOR,

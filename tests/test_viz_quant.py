@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.quantization import weight_bytes_breakdown
+from engine.loading.quantization import weight_bytes_breakdown
 from engine.viz.quant import (
     BYTES_PER_MIB,
     TOP_CHANNELS,

@@ -1,12 +1,12 @@
 """Chapter 09's figures: built from plain data (RequestTimings, lists of seconds, bench result dicts), they
-draw the numbers engine/metrics.py computes, mark the knee by its rule, and name the field of bad input."""
+draw the numbers engine/companions/metrics.py computes, mark the knee by its rule, and name the field of bad input."""
 
 import math
 
 import matplotlib.colors as mcolors
 import pytest
 
-from engine.metrics import SLO, RequestTiming, by_prompt_length, mean, nearest_rank
+from engine.companions.metrics import SLO, RequestTiming, by_prompt_length, mean, nearest_rank
 from engine.viz.serving import (
     COLORS,
     capacity_knee,

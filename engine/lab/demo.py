@@ -20,7 +20,7 @@ is preempted to make room for r1's next token; r3 will be prefilled again, answe
       r1    json    decode   out  3/64          3 blocks  ' {"name":'
       r2    refuse  decode   out  3/24          3 blocks  ' Sure, here'
 
-and at the end the run's summary (from `engine/metrics.py`): throughput, TTFT (mean, P50, P95, P99), TPOT,
+and at the end the run's summary (from `engine/companions/metrics.py`): throughput, TTFT (mean, P50, P95, P99), TPOT,
 preemptions.
 
 The arrivals driver behind it (`run_arrivals`, also behind chapter 05's experiments) lives with the other
@@ -35,12 +35,12 @@ import time
 
 import torch
 
-from engine.kv_cache import generate_cached
+from engine.companions.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.metrics import trace_summary
+from engine.loading.loader import load_model
+from engine.companions.metrics import trace_summary
 from engine.sampling import SamplingParams
 from engine.threads import torch_threads
 from engine.trace import StepReport, Trace
@@ -162,7 +162,7 @@ def format_step(report: StepReport, engine: LLMEngine, labels: dict[str, str]) -
 
 
 def format_summary(trace: Trace) -> str:
-    """The run's metrics (`engine.metrics.trace_summary`), for the end of the demo."""
+    """The run's metrics (`engine.companions.metrics.trace_summary`), for the end of the demo."""
     m = trace_summary(trace)
     ttft, tpot, itl = m.ttft_s, m.tpot_s, m.itl_s
     return "\n".join([
@@ -271,7 +271,7 @@ def task_demo(model_name: str = "tinylab") -> int:
     return correct
 
 
-REAL_MODEL = "smollm2-135m-instruct"  # a real pretrained model, converted once from its GGUF file (engine/gguf.py)
+REAL_MODEL = "smollm2-135m-instruct"  # a real pretrained model, converted once from its GGUF file (engine/loading/gguf.py)
 REAL_MODEL_QUESTIONS = ("What is the capital of France?", "Name three primary colors.")
 REAL_MODEL_MAX_TOKENS = 48
 

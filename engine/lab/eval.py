@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import generate_cached
+from engine.companions.kv_cache import generate_cached
 from engine.lab import tasks
 from engine.model import LlamaModel
 from engine.sampling import SamplingParams

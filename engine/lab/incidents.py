@@ -1,5 +1,5 @@
 """Planted incidents (chapter 10): reproducible runs of the engine in which something goes wrong halfway,
-each leaving a `Trace` for `engine.diagnose` (and a student) to explain.
+each leaving a `Trace` for `engine.serving.diagnose` (and a student) to explain.
 
 Every scenario is the same steady workload (requests of two tenants arriving at a fixed pace, step by
 step, with seeded random prompts and fixed output lengths), healthy in its first half; halfway, one thing
@@ -18,7 +18,7 @@ changes:
 The last one is invisible to steps (1)-(5) of the troubleshooting order, which look for slowness. Its
 requests are probes with known answers (held-out `arith` examples of engine/lab/tasks.py); after the run we
 score the answers of each half and store them in `trace.config["quality"]` as {version: rows of
-engine/lab/eval.py}, the quality record that step (6) of `engine.diagnose` compares.
+engine/lab/eval.py}, the quality record that step (6) of `engine.serving.diagnose` compares.
 
 Arrivals are tied to engine steps, not to the wall clock, and every answer has exactly its drawn length
 (greedy, EOS ignored): the queues, blocks, preemptions and cache hits are the same on every machine;
@@ -272,7 +272,7 @@ def quality_record(engine: LLMEngine, probes: list[tuple[Arrival, str]], version
 def run_incident(name: str, seed: int = 0, model=None, tokenizer=None) -> Trace:
     """The trace of one scenario by name (see the module docstring); loads tinylab unless given a model."""
     if model is None:
-        from engine.loader import load_model
+        from engine.loading.loader import load_model
 
         model, tokenizer = load_model(MODEL)
     table = scenarios(usable_vocab(tokenizer), seed)
@@ -287,7 +287,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
 
     model, tok = load_model(MODEL)
     table = scenarios(usable_vocab(tok), args.seed)

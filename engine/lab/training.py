@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
 from engine.lab import tasks
-from engine.loader import hf_weight_names
+from engine.loading.loader import hf_weight_names
 from engine.model import LlamaModel, NoCacheAttention
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
@@ -425,7 +425,7 @@ def pointer_loss(kept: KeepOneHead, pointers: torch.Tensor) -> torch.Tensor:
 def start_model(cfg: TrainConfig, resume_from: Path | None) -> tuple[LlamaModel, Tokenizer]:
     """A fresh model and tokenizer, or the ones saved in `resume_from` (a folder this script wrote)."""
     if resume_from is not None:
-        from engine.loader import load_model  # the saved folder is a Hugging Face-format model
+        from engine.loading.loader import load_model  # the saved folder is a Hugging Face-format model
 
         model, _ = load_model(resume_from)
         return model.train(), Tokenizer.from_file(str(Path(resume_from) / "tokenizer.json"))

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.metrics import nearest_rank
+from engine.companions.metrics import nearest_rank
 from engine.sampling import SamplingParams
 from engine.trace import StepReport, Trace
 

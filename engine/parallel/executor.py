@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from engine.block_manager import BlockMove
+from engine.kv.block_manager import BlockMove
 from engine.config import EngineConfig
-from engine.kv_pool import PagedKVPool, PoolShape
+from engine.kv.kv_pool import PagedKVPool, PoolShape
 from engine.model import LlamaModel
 from engine.parallel.comm import Comm, CommStats, connect, connect_from_env, free_port
 from engine.parallel.pipeline import StageTimeline, make_stage, run_stage, split_into_micro_batches, stage_layers

@@ -45,7 +45,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from kernels.paged_attention.reference import NULL_BLOCK
 
 GRID_COLUMNS = 16  # cells per row: a pool of 64 blocks is a 4 x 16 grid, still readable at notebook width

@@ -8,7 +8,7 @@
     trace_player               ipywidgets Play + slider over render_step (static fallback: render_step)
     render_step_durations      each step's wall time and tokens, for one or more runs (chunked prefill)
     render_sweep               throughput, TTFT and fairness against a scheduler knob (rows of
-                               engine.metrics.trace_metrics)
+                               engine.companions.metrics.trace_metrics)
 
 How to read a timeline (one character per step; the figure draws coloured bars):
 
@@ -23,7 +23,7 @@ A row starts when the request arrives and ends in the step that produced its las
 
 The numbers behind the pictures are public (`step_states`, `timeline_spans`, `queue_lengths`), so a
 test or a reader can check them without a figure; the serving metrics in the titles (throughput, TTFT,
-TPOT, fairness) come from `engine/metrics.py`, the one place they are computed. Artists carry a `gid`:
+TPOT, fairness) come from `engine/companions/metrics.py`, the one place they are computed. Artists carry a `gid`:
 a span is "span:<id>:<state>", a preemption marker "preempted:<id>", a queue line "queue:<name>".
 """
 
@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from engine.metrics import trace_metrics
+from engine.companions.metrics import trace_metrics
 from engine.trace import StepReport, Trace
 from engine.viz._figure import new_figure as _new_figure
 from engine.viz.blocks import BlockGridSnapshot, _draw_block_grid, render_block_grid
@@ -327,7 +327,7 @@ def render_step_durations(traces: Mapping[str, Trace]) -> Figure:
 
 def render_sweep(rows: Sequence[Mapping], knob: str) -> Figure:
     """Throughput, latency (TTFT and TPOT) and fairness against a scheduler knob, from rows that each
-    hold the knob's value and the keys of `engine.metrics.trace_metrics`
+    hold the knob's value and the keys of `engine.companions.metrics.trace_metrics`
     (e.g. {"max_num_seqs": 4, **trace_metrics(t)})."""
     if not rows or any(knob not in r for r in rows):
         raise ValueError(f"render_sweep: rows must be a non-empty list of dicts, each with the knob {knob!r}")

@@ -1,7 +1,7 @@
 """Figures for chapters 02 and 03: where the time of a forward goes, and where the memory goes.
 
 Every function here is a `render_*(...) -> matplotlib Figure` that draws numbers it is given (or
-computes them with `engine.memory` / `engine.roofline`); nothing is measured here. The one widget,
+computes them with `engine.companions.memory` / `engine.companions.roofline`); nothing is measured here. The one widget,
 `kv_calculator_widget()`, is a thin ipywidgets wrapper around `render_kv_calculator`, so the same
 picture works without widgets (CI, GitHub preview).
 
@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from engine.config import MODEL_PRESETS, ModelConfig
-from engine.memory import (
+from engine.companions.memory import (
     ACTIVATION_RESERVE_FRACTION,
     DTYPE_BYTES,
     GB,
@@ -40,7 +40,7 @@ from engine.memory import (
     plan_memory,
     weight_bytes,
 )
-from engine.roofline import MachineRoofline, ridge_point
+from engine.companions.roofline import MachineRoofline, ridge_point
 from engine.viz.sampling import running_median, step_time_slope_ms
 
 MS_PER_S = 1000.0
@@ -272,7 +272,7 @@ def _kv_curve_gb(shape: ModelConfig, per_token: int, batch: int, tokens: int, vs
 
 def _fit_label(shape: ModelConfig, card_gb: int, batch: int, tokens: int, vs: str,
                weight_dtype, kv_dtype) -> str:
-    """What fits on one card after the weights and vLLM's 10% reserve (engine.memory.plan_memory)."""
+    """What fits on one card after the weights and vLLM's 10% reserve (engine.companions.memory.plan_memory)."""
     try:
         plan = plan_memory(shape, card_gb * GB, weight_dtype, kv_dtype)
     except ValueError:

@@ -20,7 +20,7 @@ from matplotlib.patches import FancyBboxPatch
 
 from engine.config import ModelConfig
 
-MB = 10**6  # decimal megabytes, like engine.memory's GB
+MB = 10**6  # decimal megabytes, like engine.companions.memory's GB
 PERCENT = 100.0
 SMOOTH_STEPS = 25  # moving-average window over the loss: enough to see the trend through batch noise
 BOX_HEIGHT = 0.62  # in diagram units (one unit per row of the diagram)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 
 from engine.config import ModelConfig
-from engine.memory import kv_block_bytes
-from engine.roofline import forward_cost
+from engine.companions.memory import kv_block_bytes
+from engine.companions.roofline import forward_cost
 from engine.trace import Trace
 from engine.viz._figure import fail as _fail
 from engine.viz._figure import new_figure as _new_figure
@@ -96,7 +96,7 @@ class RecomputeCost:
 
 
 def recompute_cost(config: ModelConfig, block_size: int, context_tokens: int, kv_dtype, weight_dtype) -> RecomputeCost:
-    """The roofline's count (engine/roofline.py, chapter 02) for one block of a ``context_tokens``-long prefix:
+    """The roofline's count (engine/companions/roofline.py, chapter 02) for one block of a ``context_tokens``-long prefix:
     the FLOPs of prefilling the prefix divided by its blocks (later blocks attend to more, so this is the
     mean), against the block's KV bytes. Attention is counted as a dense kernel does (the full rectangle)."""
     if context_tokens < block_size:

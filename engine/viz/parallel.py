@@ -1,6 +1,6 @@
 """Figures for chapter 08: splitting a model over devices, and routing requests over replicas.
 
-    render_layout_memory          per-GPU memory of placement layouts (engine/placement.py): weights, the
+    render_layout_memory          per-GPU memory of placement layouts (engine/companions/placement.py): weights, the
                                   activation reserve and the KV cache left, against the card's memory
     render_tensor_parallel_layer  one Llama layer cut TP ways: which matrices are split by columns, which by
                                   rows, what each rank computes alone, and where the two all-reduces go
@@ -26,7 +26,7 @@ sum of every output). The strip a rank holds is filled with its colour::
                                        └─────┘
 
 The inputs are plain data: placement `Layout`s, a `ModelConfig`, `StageTimeline`s (or their span lists),
-numbers the notebook measured. This file only draws; the formulas live in engine/placement.py,
+numbers the notebook measured. This file only draws; the formulas live in engine/companions/placement.py,
 engine/parallel/comm.py and engine/parallel/pipeline.py.
 
 Artists carry a `gid`: memory bars "weights:<label>", "reserve:<label>", "kv:<label>" and "memory";
@@ -73,16 +73,16 @@ def _layout_label(x) -> str:
 
 
 def render_layout_memory(layouts: Sequence, title: str = "") -> Figure:
-    """One stacked bar per layout (engine.placement's `Layout`): weights + activation reserve + the KV cache
+    """One stacked bar per layout (engine.companions.placement's `Layout`): weights + activation reserve + the KV cache
     left, in GB per GPU, with the card's memory as a black line. Where the weights overflow, the stack
     rises above the line; a split that is impossible (TP not dividing the heads) is named, not drawn.
     Below each bar: how many full-context sequences the layout caches at once (over all its replicas)."""
     func = "render_layout_memory"
     if not layouts:
-        _fail(func, "layouts", "is empty: give engine.placement Layouts (e.g. candidate_layouts(...))")
+        _fail(func, "layouts", "is empty: give engine.companions.placement Layouts (e.g. candidate_layouts(...))")
     for x in layouts:
         if not all(hasattr(x, k) for k in ("tp", "pp", "weight_bytes_per_device", "kv_budget_bytes_per_device")):
-            _fail(func, "layouts", f"holds {type(x).__name__}, not an engine.placement Layout")
+            _fail(func, "layouts", f"holds {type(x).__name__}, not an engine.companions.placement Layout")
     fig, axes = _new_figure((max(6.0, 1.05 * len(layouts) + 2.0), 4.8))
     ax, top = axes[0][0], 0.0
     for i, x in enumerate(layouts):

@@ -1,7 +1,7 @@
 """Figures for chapter 06: the prefix cache, its hash chain, what it saves, and what a hit tells.
 
     hash_chain_rows        the arithmetic behind the chain picture: each request's blocks, their chained
-                           hashes (engine/prefix_cache.py's own), and which blocks an earlier request computed
+                           hashes (engine/kv/prefix_cache.py's own), and which blocks an earlier request computed
     render_hash_chain      one row per request, one cell per block: the same colour is the same hash, i.e. one
                            physical block that every request with that colour shares
     render_prefix_sweep    hit rate and median TTFT against the shared fraction of the prompt, cache off vs on
@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from engine.prefix_cache import block_hashes
+from engine.kv.prefix_cache import block_hashes
 from engine.viz._figure import fail as _fail
 from engine.viz._figure import new_figure as _new_figure
 
@@ -78,10 +78,10 @@ def _keys_of(requests: Mapping, extra_keys) -> dict:
 
 def hash_chain_rows(requests: Mapping[str, Sequence[int]], block_size: int,
                     extra_keys: Sequence | Mapping[str, Sequence] = ()) -> dict[str, list[ChainBlock]]:
-    """Every request's blocks, in the order given: tokens, chained hash (engine.prefix_cache.block_hashes,
+    """Every request's blocks, in the order given: tokens, chained hash (engine.kv.prefix_cache.block_hashes,
     so exactly the engine's), and whether an earlier request had computed the block (a hit).
 
-    extra_keys: one tuple for all requests, or {name: tuple} (e.g. `engine.prefix_cache.cache_key(...)`).
+    extra_keys: one tuple for all requests, or {name: tuple} (e.g. `engine.kv.prefix_cache.cache_key(...)`).
     """
     if block_size < 1:
         _fail("hash_chain_rows", "block_size", f"must be >= 1 token, got {block_size}")

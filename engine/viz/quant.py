@@ -193,7 +193,7 @@ def _two_lines(label: str) -> str:
 
 def render_bytes_breakdown(breakdowns: Mapping[str, Mapping[str, int]], model_name: str) -> Figure:
     """Stacked horizontal bars, one per scheme: the model's weight MiB by kind
-    (``engine.quantization.weight_bytes_breakdown``), so what stayed in floating point shows."""
+    (``engine.loading.quantization.weight_bytes_breakdown``), so what stayed in floating point shows."""
     _require("render_bytes_breakdown", "breakdowns", bool(breakdowns), "is empty")
     fig, (ax,) = _new_figure((FIGSIZE[0], 0.55 * len(breakdowns) + 1.6))
     total_max = max(sum(b.values()) for b in breakdowns.values()) / BYTES_PER_MIB

@@ -16,9 +16,9 @@
     render_overload               chapter 10: goodput, P99 TTFT, share turned away against the offered load,
                                   with and without overload protection; the waiting queue over time
 
-The inputs are plain data: `engine.metrics.RequestTiming`s (from a server's `Trace` through
+The inputs are plain data: `engine.companions.metrics.RequestTiming`s (from a server's `Trace` through
 `requests_from_trace`, or from a client through `BenchRun.timings()`), lists of seconds, and the result
-dicts of `engine.bench_serve.benchmark` (vLLM's keys). Every number is computed by `engine/metrics.py`
+dicts of `engine.serving.bench_serve.benchmark` (vLLM's keys). Every number is computed by `engine/companions/metrics.py`
 (`nearest_rank`, `mean`); this file only draws. How to read one request's timeline::
 
     arrival   scheduled          token 0   token 1   token 2        token 3 = finish
@@ -45,7 +45,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from engine.metrics import SLO, RequestTiming, mean, nearest_rank, std
+from engine.companions.metrics import SLO, RequestTiming, mean, nearest_rank, std
 from engine.viz._figure import fail as _fail
 from engine.viz._figure import new_figure as _new_figure
 
@@ -312,7 +312,7 @@ def _sweep(func: str, rows: Sequence[Mapping]) -> list[Mapping]:
     for r in rows:
         missing = [k for k in CAPACITY_KEYS if r.get(k) is None]
         if missing:
-            _fail(func, "rows", f"lack {missing}: run engine.bench_serve.benchmark with an SLO (goodput) and "
+            _fail(func, "rows", f"lack {missing}: run engine.serving.bench_serve.benchmark with an SLO (goodput) and "
                   "percentiles=(50, 99)")
     return sorted(rows, key=lambda r: r["request_rate"])
 

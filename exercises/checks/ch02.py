@@ -1,7 +1,7 @@
 """Checks for chapter 02: the FLOPs and bytes of a decode step, arithmetic intensity, the roofline verdict.
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch02_prefill_decode.py` or the
-reference in `exercises/solutions/`. The functions are compared with `engine.roofline.forward_cost`
+reference in `exercises/solutions/`. The functions are compared with `engine.companions.roofline.forward_cost`
 on several published shapes, and with numbers worked out by hand in the comments.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from engine.config import MODEL_PRESETS, ModelConfig
-from engine.roofline import MachineRoofline, forward_cost
-from engine.roofline import classify as engine_classify
+from engine.companions.roofline import MachineRoofline, forward_cost
+from engine.companions.roofline import classify as engine_classify
 
 # (batch, context tokens) of the decode steps we compare; contexts stay under Mistral's 4096 window,
 # beyond which the engine (rightly) stops counting older tokens.

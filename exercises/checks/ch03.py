@@ -2,7 +2,7 @@
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch03_kv_cache.py` or the reference
 in `exercises/solutions/`. The formula is compared with real tensors' `.nbytes` and with
-`engine.memory`; the capacity answers are worked out by hand in the comments.
+`engine.companions.memory`; the capacity answers are worked out by hand in the comments.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from engine import memory
+from engine.companions import memory
 from engine.config import MODEL_PRESETS
 
 GB = 10**9

@@ -2,7 +2,7 @@
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch04_paged_kv.py` or the reference in
 `exercises/solutions/`. The answers come from two places: small cases worked out by hand in the
-comments, and `engine.block_manager` (BlockAllocator, BlockManager) doing the same thing. The
+comments, and `engine.kv.block_manager` (BlockAllocator, BlockManager) doing the same thing. The
 student's `BlockAllocator` has the engine's methods, so the allocator checks also pass on the engine's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 
-from engine.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError
+from engine.kv.block_manager import BlockAllocator, BlockManager, NoFreeBlocksError
 from engine.lab.workloads import sample_request_lengths, total_lengths
 from exercises.checks import raises
 

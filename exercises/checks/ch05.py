@@ -4,7 +4,7 @@ static batching's idle seats.
 Each `check_<claim>(mod)` runs against the student's `exercises/ch05_scheduling.py` or the reference in
 `exercises/solutions/`. The answers come from small cases worked out by hand in the comments, and
 from the engine itself: `engine.scheduler.Scheduler` deciding the same steps, `engine.scheduler.rank`
-choosing the same victims, `engine.metrics` reading the same times, and a static-policy
+choosing the same victims, `engine.companions.metrics` reading the same times, and a static-policy
 `LLMEngine` run whose step count shows the idle seats.
 """
 
@@ -15,10 +15,10 @@ import random
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.metrics import requests_from_trace
+from engine.companions.metrics import requests_from_trace
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampling import SamplingParams
@@ -196,7 +196,7 @@ def _tiny_model() -> LlamaModel:
 
 
 def check_ttft_and_tpot_match_the_engine_trace(mod) -> None:
-    """A real run with staggered arrivals and chunked prefill; engine.metrics reads the same times."""
+    """A real run with staggered arrivals and chunked prefill; engine.companions.metrics reads the same times."""
     config = engine_config(model="tiny", max_num_seqs=3, block_size=4, enable_chunked_prefill=True,
                            max_num_batched_tokens=8)
     engine = LLMEngine(_tiny_model(), None, config)

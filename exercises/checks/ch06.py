@@ -2,7 +2,7 @@
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch06_prefix_cache.py` or the reference in
 `exercises/solutions/`. The answers come from small cases worked out by hand in the comments, and from the
-engine itself: `engine.prefix_cache` (block_hash, block_hashes, cache_key) and a real `BlockManager` with
+engine itself: `engine.kv.prefix_cache` (block_hash, block_hashes, cache_key) and a real `BlockManager` with
 prefix caching on (find_cached_prefix, and eviction through its allocator).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from collections import OrderedDict, deque
 
-from engine.block_manager import BlockManager
-from engine.prefix_cache import PUBLIC_SCOPE, block_hash, block_hashes, cache_key
+from engine.kv.block_manager import BlockManager
+from engine.kv.prefix_cache import PUBLIC_SCOPE, block_hash, block_hashes, cache_key
 from exercises.checks import raises
 
 SEED = 6  # chapter 06: any fixed seed makes a failure reproducible

@@ -4,7 +4,7 @@ matmul, the bytes a tensor-parallel group all-reduces per token, the pipeline bu
 Each `check_<claim>(mod)` runs against the student's `exercises/ch08_parallelism.py` or the reference in
 `exercises/solutions/`. The oracles are F.linear (the unsplit layer), the engine's own tensor-parallel
 layers (engine/parallel/tensor_parallel.py), engine/parallel/pipeline.py's StageTimeline (the bubble of a
-schedule), engine/placement.py (allreduce_bytes_per_token, stage_memory_plans, feasible_layouts) and
+schedule), engine/companions/placement.py (allreduce_bytes_per_token, stage_memory_plans, feasible_layouts) and
 numbers worked by hand.
 """
 
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import MODEL_PRESETS
-from engine.memory import GB
+from engine.companions.memory import GB
 from engine.parallel.pipeline import StageTimeline
 from engine.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from engine.placement import Device, feasible_layouts, stage_memory_plans
-from engine.placement import allreduce_bytes_per_token as engine_allreduce_bytes_per_token
+from engine.companions.placement import Device, feasible_layouts, stage_memory_plans
+from engine.companions.placement import allreduce_bytes_per_token as engine_allreduce_bytes_per_token
 from exercises.checks import raises_naming
 
 SEED = 8
@@ -187,7 +187,7 @@ def check_allreduce_bytes_match_the_engine(mod) -> None:
             for dtype in ("bf16", "fp32", "fp8"):
                 _number(mod.allreduce_bytes_per_token(model, tp, dtype),
                         engine_allreduce_bytes_per_token(model, tp, dtype),
-                        f"allreduce_bytes_per_token({model.name}, tp={tp}, {dtype!r}), against engine/placement.py")
+                        f"allreduce_bytes_per_token({model.name}, tp={tp}, {dtype!r}), against engine/companions/placement.py")
 
 
 # ---- the pipeline bubble -----------------------------------------------------------------------------------
@@ -300,6 +300,6 @@ def check_pick_layout_matches_the_engine_placement(mod) -> None:
         if want is None:
             raises_naming("num_devices", lambda a=(model, memory, n, context, dtype): mod.pick_layout(*a),
                            f"pick_layout({model.name}, {memory:,} bytes, num_devices={n}, {context:,}, {dtype!r}) "
-                           "(engine/placement.py finds no layout)")
+                           "(engine/companions/placement.py finds no layout)")
         else:
-            _expect(mod, want, model, memory, n, context, "engine/placement.py's feasible_layouts", dtype)
+            _expect(mod, want, model, memory, n, context, "engine/companions/placement.py's feasible_layouts", dtype)

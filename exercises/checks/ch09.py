@@ -2,7 +2,7 @@
 and goodput from a table of requests.
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch09_serving_metrics.py` or the reference
-in `exercises/solutions/`. The oracles are numbers worked by hand and engine/metrics.py itself
+in `exercises/solutions/`. The oracles are numbers worked by hand and engine/companions/metrics.py itself
 (`RequestTiming.itl_s`, `RequestTiming.tpot_s`, `nearest_rank`, `goodput` with an `SLO`).
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import random
 
-from engine.metrics import SLO, RequestTiming
-from engine.metrics import goodput as engine_goodput
-from engine.metrics import nearest_rank as engine_nearest_rank
+from engine.companions.metrics import SLO, RequestTiming
+from engine.companions.metrics import goodput as engine_goodput
+from engine.companions.metrics import nearest_rank as engine_nearest_rank
 from exercises.checks import raises_naming
 
 SEED = 9

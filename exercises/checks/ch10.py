@@ -2,9 +2,9 @@
 max_num_queued_tokens for a TTFT target, and the two halves of a run the troubleshooting order compares.
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch10_overload.py` or the reference in
-`exercises/solutions/`. The oracles are numbers worked by hand and the engine itself: engine/admission.py
-(`TokenBucket`, `Admission` with `AdmissionLimits`), engine/server.py (`OpenAIError`'s Retry-After header)
-and engine/diagnose.py (`arrival_halves`). Every clock here is a fake one, far from the wall clock's reading.
+`exercises/solutions/`. The oracles are numbers worked by hand and the engine itself: engine/serving/admission.py
+(`TokenBucket`, `Admission` with `AdmissionLimits`), engine/serving/server.py (`OpenAIError`'s Retry-After header)
+and engine/serving/diagnose.py (`arrival_halves`). Every clock here is a fake one, far from the wall clock's reading.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import random
 
-from engine.admission import Admission, AdmissionLimits, Load, Rejected
-from engine.admission import TokenBucket as EngineTokenBucket
-from engine.diagnose import RequestSplit
-from engine.diagnose import arrival_halves as engine_arrival_halves
-from engine.server import OpenAIError
+from engine.serving.admission import Admission, AdmissionLimits, Load, Rejected
+from engine.serving.admission import TokenBucket as EngineTokenBucket
+from engine.serving.diagnose import RequestSplit
+from engine.serving.diagnose import arrival_halves as engine_arrival_halves
+from engine.serving.server import OpenAIError
 from exercises.checks import raises_naming
 
 SEED = 10

@@ -7,7 +7,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from engine.block_manager import NoFreeBlocksError
+from engine.kv.block_manager import NoFreeBlocksError
 
 
 class BlockAllocator:

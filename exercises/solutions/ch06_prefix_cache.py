@@ -8,8 +8,8 @@ import json
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
-from engine.prefix_cache import PUBLIC_SCOPE
-from engine.prefix_cache import block_hashes as engine_block_hashes
+from engine.kv.prefix_cache import PUBLIC_SCOPE
+from engine.kv.prefix_cache import block_hashes as engine_block_hashes
 
 
 def block_hash(parent: str | None, token_ids: Sequence[int], extra_keys: Sequence) -> str:

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.memory import dtype_bytes, kv_bytes_per_token
+from engine.companions.memory import dtype_bytes, kv_bytes_per_token
 
 ALLREDUCES_PER_LAYER = 2  # attention's o_proj and the MLP's down_proj are row-parallel: one all-reduce each
 RING_PASSES = 2  # a ring all-reduce is a reduce-scatter and then an all-gather, each (W - 1)/W of the message
-RESERVE_FRACTION = 0.10  # engine/memory.py's ACTIVATION_RESERVE_FRACTION: kept back for activations
+RESERVE_FRACTION = 0.10  # engine/companions/memory.py's ACTIVATION_RESERVE_FRACTION: kept back for activations
 
 
 def column_shard(weight: torch.Tensor, bias: torch.Tensor | None, rank: int,

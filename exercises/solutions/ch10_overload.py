@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from engine.diagnose import RequestSplit
+from engine.serving.diagnose import RequestSplit
 
 
 class TokenBucket:

@@ -6,7 +6,7 @@
 addresses of the three C kernels it calls (``kernel_pointers``). ``layers`` is a ctypes array of ``Layer``, one
 per decoder layer: the two norm weights, four ``Linear`` (q/k/v stacked, o, gate/up stacked, down) and the
 layer's two KV pools, all as raw addresses. Building them from a model, and keeping the tensors behind the
-addresses alive, is engine/native_layers.py's job: this module checks only the per-step arguments.
+addresses alive, is engine/fast/native_layers.py's job: this module checks only the per-step arguments.
 
 Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels).
 """

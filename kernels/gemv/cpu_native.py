@@ -4,7 +4,7 @@
 
 Why it exists: at decode time a linear layer only streams its weight, and torch's matmuls for one row of x
 left a third of the memory bandwidth unused (measured on an AMD EPYC with AVX-512, 2 threads, SmolLM2's MLP
-shapes: fp32 28 GB/s here against 21 for the column-block bmm of engine/packed_linear.py, bf16 weights 20 GB/s
+shapes: fp32 28 GB/s here against 21 for the column-block bmm of engine/fast/packed_linear.py, bf16 weights 20 GB/s
 against 13 for F.linear). The weight is read as nn.Linear stores it, so no second copy is needed.
 
 Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels).

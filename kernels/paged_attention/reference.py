@@ -1,6 +1,6 @@
 """Paged attention in plain PyTorch: the oracle every other backend is tested against.
 
-The KV cache of one layer is two pools of physical blocks (see ``engine/block_manager.py``)::
+The KV cache of one layer is two pools of physical blocks (see ``engine/kv/block_manager.py``)::
 
     k_pool, v_pool: [NB, BS, Hkv, D]     NB blocks, BS token slots per block,
                                          Hkv KV heads, D head dim; contiguous in D

@@ -8,7 +8,7 @@ keep them, and at each new step project only the new token:
                         write k_t, v_t into slot t
 
 Memory, per sequence: 2 (K and V) x L layers x T tokens x Hkv heads x D dims x bytes per element
-(`engine.memory.kv_cache_bytes`). Storing only the Hkv KV heads is what makes GQA/MQA cheaper.
+(`engine.companions.memory.kv_cache_bytes`). Storing only the Hkv KV heads is what makes GQA/MQA cheaper.
 
 Layout of `KVCache` (one tensor for K and one for V, all layers):
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.model import LlamaModel, causal_mask, repeat_kv
-from engine.naive import GenerationResult, run_loop
+from engine.companions.naive import GenerationResult, run_loop
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 

@@ -30,7 +30,7 @@ from engine.config import ModelConfig
 
 # Bytes per element for the dtypes a serving stack meets. int4 packs two values in a byte.
 # (Quantized formats also carry scales and zero points; we leave those out: they add a few
-# percent and depend on the group size, see engine/quantization.py's weight_bytes_breakdown.)
+# percent and depend on the group size, see engine/loading/quantization.py's weight_bytes_breakdown.)
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
 
 # Other spellings people (and torch, and engine/config.py) use for the same dtypes.

@@ -12,7 +12,7 @@
 
 Nothing is split, so nothing crosses between replicas per token: throughput grows with the number of
 replicas as long as each one has cores (or a GPU) of its own, and every replica needs the whole model's
-memory. The router decides what each replica's cache can reuse (engine/parallel/router.py).
+memory. The router decides what each replica's cache can reuse (engine/replicas/router.py).
 
 `ReplicaPool(..., in_process=True)` runs the same replicas as engines in THIS process, stepped in turn:
 no speedup (the replicas' busy times add up), but deterministic, inspectable (`pool.engines[i].trace`)
@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from engine.config import DEFAULT_ATTENTION_BACKEND
 from engine.llm import RequestOutput, as_params_list, as_prompt_list
 from engine.llm_engine import LLMEngine, engine_config
-from engine.parallel.router import Router, make_router
+from engine.replicas.router import Router, make_router
 from engine.request import validate_token_ids
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer, encode_prompt
@@ -528,7 +528,7 @@ def _as_router(router: str | Router, num_replicas: int, block_size: int) -> Rout
 def _load(model: str, dtype: str, config, num_replicas: int, in_process: bool):
     """(tokenizer, max_model_len, vocab_size, engines): the engines only in process (sharing one model);
     for processes, only what the parent needs to route (the tokenizer, no weights)."""
-    from engine.loader import load_model, read_config, resolve_model_path
+    from engine.loading.loader import load_model, read_config, resolve_model_path
 
     if in_process:
         llama, tokenizer = load_model(model, dtype=getattr(torch, dtype))

@@ -1,13 +1,13 @@
 """The paged KV cache's tensors: one object owns every pool and does every block copy.
 
-The block manager (``engine/block_manager.py``) decides which block holds which tokens; this
+The block manager (``engine/kv/block_manager.py``) decides which block holds which tokens; this
 file holds the bytes. Per layer there is one K pool and one V pool on the device, and, when
 preemption is by swap, a CPU pool of the same layout for each::
 
     layer l:  k[l], v[l]            [NB, BS, Hkv, D]    on the model's device
               k_swap[l], v_swap[l]  [NSB, BS, Hkv, D]   on the CPU (NSB = 0: no swap pool)
               k_host[l], v_host[l]  [NHB, BS, Hkv, D]   on the CPU: the host tier of the prefix cache
-                                                         (NHB = 0: none; engine/block_manager.py)
+                                                         (NHB = 0: none; engine/kv/block_manager.py)
 
     slot s of the device pool  =  k[l][s // BS, s % BS]      (one token's K for every KV head)
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.block_manager import BlockMove
+from engine.kv.block_manager import BlockMove
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, KVCACHE_SPACE_ENV, CacheConfig, ModelConfig
-from engine.memory import kv_block_bytes, num_kv_blocks
+from engine.companions.memory import kv_block_bytes, num_kv_blocks
 
 logger = logging.getLogger("engine")
 GiB = 2**30

@@ -7,7 +7,7 @@
     └── tokenizer_config.json            -> which tokens are BOS/EOS/PAD, the chat template (optional)
 
 A llama.cpp *.gguf file (or the packaged "smollm2-135m-instruct") is first converted once into
-such a folder in a cache (engine/gguf.py), then loaded like any other.
+such a folder in a cache (engine/loading/gguf.py), then loaded like any other.
 
 Weights are matched through an explicit name table (`hf_weight_names`), so a reader sees exactly
 which tensor of the checkpoint lands in which parameter, and every mismatch gets a precise error.
@@ -27,7 +27,7 @@ from engine.config import ModelConfig
 from engine.model import LlamaModel, rope_inv_freq
 from engine.tokenizer import Tokenizer
 
-BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
+BUNDLED_MODELS_DIR = Path(__file__).parent.parent / "models"  # engine/models/
 # Tensors some checkpoints carry that we recompute instead of loading.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -39,13 +39,13 @@ def bundled_model_path(name: str) -> Path:
 
 def resolve_model_path(path_or_name: str | Path) -> Path:
     """A folder to load: the path itself, a bundled model, or the cached conversion of a GGUF file
-    (a packaged model such as "smollm2-135m-instruct", or a path ending in .gguf; see engine/gguf.py)."""
+    (a packaged model such as "smollm2-135m-instruct", or a path ending in .gguf; see engine/loading/gguf.py)."""
     path = Path(path_or_name)
     if not path.exists() and bundled_model_path(str(path_or_name)).exists():
         return bundled_model_path(str(path_or_name))
     if path.is_dir():
         return path
-    from engine import gguf  # imported here: only GGUF models pay for the `gguf` package's import
+    from engine.loading import gguf  # imported here: only GGUF models pay for the `gguf` package's import
 
     if str(path_or_name) in gguf.PACKAGED_MODELS or (path.is_file() and path.suffix == ".gguf"):
         return gguf.gguf_model_folder(path_or_name)
@@ -150,8 +150,8 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype = torch.float3
 
 
 def _keep_gguf_blocks(model: LlamaModel, path_or_name, folder: Path) -> None:
-    from engine import gguf
-    from engine.quantization import quantize_lm_head, use_quantized_weights
+    from engine.loading import gguf
+    from engine.loading.quantization import quantize_lm_head, use_quantized_weights
 
     if not (folder / gguf.PROVENANCE_FILE).exists():
         raise ValueError(f"quantization='gguf' needs a GGUF source (a *.gguf file or {sorted(gguf.PACKAGED_MODELS)}), "
@@ -176,7 +176,7 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     if quantization not in (None, "gguf"):
         raise ValueError(f"quantization: {quantization!r} is not a load-time option; use None or 'gguf' "
-                         "(for other schemes call engine.quantization.quantize_model on the loaded model)")
+                         "(for other schemes call engine.loading.quantization.quantize_model on the loaded model)")
     path = resolve_model_path(path_or_name)
     cfg = read_config(path)
     model = load_weights(path, cfg, dtype)

@@ -21,10 +21,10 @@ What it does, in vLLM's terms and with vLLM's flag names:
   `--max-concurrency` caps the requests in flight (the others wait in the client, and that wait is not
   counted as latency, as in vLLM);
 - measuring: each request is streamed; a token's time is when its chunk arrived. TTFT, TPOT, ITL, E2E,
-  throughput and goodput (`--goodput ttft:ms tpot:ms e2el:ms`) are computed by `engine/metrics.py`, the
+  throughput and goodput (`--goodput ttft:ms tpot:ms e2el:ms`) are computed by `engine/companions/metrics.py`, the
   same code that reads the engine's own `Trace`, so the client's view and the server's can be compared.
 
-Percentiles are nearest-rank ones (engine/metrics.py explains why); vLLM's numpy percentiles interpolate,
+Percentiles are nearest-rank ones (engine/companions/metrics.py explains why); vLLM's numpy percentiles interpolate,
 so on a few requests the two can differ a little. Prints vLLM's table; `--save-result` writes its JSON.
 """
 
@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
-from engine.metrics import SLO, RequestTiming, mean, nearest_rank, std, summarize
+from engine.companions.metrics import SLO, RequestTiming, mean, nearest_rank, std, summarize
 
 REQUEST_TIMEOUT_S = 6 * 3600  # vLLM's AIOHTTP_TIMEOUT: a benchmark request may wait behind hours of queue
 GOODPUT_KEYS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2el": "e2e_s"}  # vLLM's names -> SLO fields
@@ -169,7 +169,7 @@ class RequestResult:
     error: str = ""
 
     def timing(self) -> RequestTiming:
-        """The same record `engine/metrics.py` builds from a trace, from the client's clock."""
+        """The same record `engine/companions/metrics.py` builds from a trace, from the client's clock."""
         return RequestTiming(self.request_id, self.send_time, list(self.token_times), finish_time=self.end_time,
                              finish_reason=self.finish_reason, prompt_tokens=self.prompt_len)
 
@@ -238,7 +238,7 @@ class BenchRun:
     results: list[RequestResult]
 
     def timings(self) -> list[RequestTiming]:
-        """The successful requests as `RequestTiming`s (send time = arrival), for engine/metrics.py."""
+        """The successful requests as `RequestTiming`s (send time = arrival), for engine/companions/metrics.py."""
         return [r.timing() for r in self.results if r.success]
 
 
@@ -278,7 +278,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
 
 def result_dict(results: list[RequestResult], duration_s: float, slo: SLO | None,
                 percentile_metrics: Sequence[str], percentiles: Sequence[float], config: dict) -> dict:
-    """vLLM's result JSON (the same keys), computed by engine/metrics.py from the successful requests."""
+    """vLLM's result JSON (the same keys), computed by engine/companions/metrics.py from the successful requests."""
     ok = [r for r in results if r.success]
     timings = [r.timing() for r in ok]
     summary = summarize(timings, duration_s, slo)
@@ -378,7 +378,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tokenizer(args):
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(resolve_model_path(args.tokenizer or args.model))

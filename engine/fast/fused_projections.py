@@ -15,7 +15,7 @@ dispatch, reads x again and, for the native int4/int8 kernel, rounds x to int8 a
 layers, fusing turns 210 matmuls per token into 120; at batch 1 on one thread that was ~7% of a decode step
 (17.7 -> 16.5 ms, int4 weights; benchmarks/quantization.py has the engine's numbers).
 
-The engine fuses a shallow COPY of the model when it packs weights (engine/packed_linear.py), so the model you
+The engine fuses a shallow COPY of the model when it packs weights (engine/fast/packed_linear.py), so the model you
 passed in keeps its separate q/k/v layers (the transformers oracle, the notebooks and the quantizer read
 those). Layers that cannot be stacked stay separate: quantized layers stack only if they share bits, group
 size and kernel, with per-channel or per-group scales (a per-tensor scale is one number per matrix) and no
@@ -29,7 +29,7 @@ import copy
 import torch
 from torch import nn
 
-from engine.quantization import QuantLinear
+from engine.loading.quantization import QuantLinear
 from kernels.quant_matmul import QuantizedWeight
 
 

@@ -3,7 +3,7 @@
 engine/model.py writes each of them as a few PyTorch ops, which is the clearest way to read them and a slow way
 to run them on a CPU: every op is a pass over a [tokens, width] tensor, and in bf16 most of them also widen
 their input to fp32 and round the result back. The engine computes with its own copy of the model anyway
-(packed and fused: engine/packed_linear.py, engine/fused_projections.py); here that copy's norms, MLPs and
+(packed and fused: engine/fast/packed_linear.py, engine/fast/fused_projections.py); here that copy's norms, MLPs and
 attention layers become the subclasses below, which call one C function where the model calls several ops:
 
     RMSNorm      x.float(), pow(2), mean, + eps, rsqrt, *, .to(dtype), * weight   ->  rms_norm_native(x, w)

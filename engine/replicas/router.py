@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.prefix_cache import block_hashes
+from engine.kv.prefix_cache import block_hashes
 
 # How many leading full blocks of a prompt name its prefix for prefix_aware routing. Deeper keys tell
 # apart prompts that share a long system prompt but differ later (different documents, different chat
@@ -108,7 +108,7 @@ class LeastOutstanding(Router):
 class PrefixAware(Router):
     """Send a prompt to the replica that served its prefix before, so that replica's prefix cache hits.
 
-    We name a prefix the way the engine's prefix cache names its blocks (engine/prefix_cache.py): a hash
+    We name a prefix the way the engine's prefix cache names its blocks (engine/kv/prefix_cache.py): a hash
     chain over full blocks of token ids, so key i names the whole prefix tokens[0 : (i+1) * BS]::
 
         prompt  [ 4 system-prompt blocks ][ question ... ]         BS = block_size

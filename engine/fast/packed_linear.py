@@ -42,7 +42,7 @@ both). Where it pays is a property of the machine, not of the model:
 
 Since then a C matrix-vector kernel (kernels/gemv) took over the decode rows where it builds, fp32 and bf16
 (on one thread too, where the column blocks had been a little faster, because the C decoder layers of
-engine/native_layers.py read W as [N, K]): it reads W where nn.Linear keeps it, at 29 GB/s on two cores of an
+engine/fast/native_layers.py read W as [N, K]): it reads W where nn.Linear keeps it, at 29 GB/s on two cores of an
 AMD EPYC with AVX-512 where the column blocks reached 25, and bf16 at 1.5x torch's bf16 GEMV (so bf16 finally
 pays at batch 1).
 
@@ -130,7 +130,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.blocks = K, N, P
         self.bias = None if linear.bias is None else linear.bias.detach()  # [N]
         # (fp32 on ONE thread, the column-block bmm streamed a little faster on an AMD EPYC Zen 4, 16 vs 15 GB/s;
-        # the C kernel is used all the same: the C decoder layers, engine/native_layers.py, need W as [N, K])
+        # the C kernel is used all the same: the C decoder layers, engine/fast/native_layers.py, need W as [N, K])
         self.gemv_weight = weight if why_gemv_cannot_run(weight) is None else None  # [N, K], no copy
         self.gemv_bias = None if self.bias is None else self.bias.float()
         # decode steps of up to this many rows: the C kernel (or, where it cannot run, the column blocks)

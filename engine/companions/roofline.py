@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.memory import activation_breakdown, dtype_bytes, kv_cache_bytes
+from engine.companions.memory import activation_breakdown, dtype_bytes, kv_cache_bytes
 
 # Each matmul weight does one multiply and one add per token: 2 FLOPs.
 FLOPS_PER_MAC = 2

@@ -13,7 +13,7 @@ attention are the very C kernels the Python path calls, so the two paths compute
     all L layers: ONE C call                       for layer in model.layers: layer(x, ...)   (engine/model.py)
     final norm, lm_head (torch)                    final norm, lm_head (torch)
 
-It runs on the engine's packed copy of the model (engine/packed_linear.py, engine/fused_projections.py), where
+It runs on the engine's packed copy of the model (engine/fast/packed_linear.py, engine/fast/fused_projections.py), where
 q/k/v and gate/up are already stacked, and only when every piece has a C twin: fp32 or bf16 weights read by
 the gemv kernel, or int4/int8 weights on the native quantized kernel; fp32 or bf16 KV pools read by the native
 attention kernel. Anything else (int8 KV, fp16, SmoothQuant or W8A8 layers, a GPU) keeps the Python layers,
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.packed_linear import PackedLinear, gemv_max_rows
-from engine.quantization import QuantLinear
+from engine.fast.packed_linear import PackedLinear, gemv_max_rows
+from engine.loading.quantization import QuantLinear
 from kernels.decoder_layers import LINEAR_KINDS, Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
 from kernels.quant_matmul.cpu_native import FUSED_MAX_ROWS
@@ -46,7 +46,7 @@ def _linears(layer) -> dict:
 def why_linear_cannot_run(module) -> str | None:
     """None if the C layers can run this linear layer, else why not."""
     if module is None:
-        return "q/k/v or gate/up are not fused into one matrix (engine/fused_projections.py)"
+        return "q/k/v or gate/up are not fused into one matrix (engine/fast/fused_projections.py)"
     if isinstance(module, PackedLinear):
         return None if module.gemv_weight is not None else "its weight is not one the C gemv kernel reads"
     if isinstance(module, QuantLinear):
@@ -87,7 +87,7 @@ class NativeLayers:
             raise ValueError(f"the native decoder layers cannot run this model: {why}")
         cfg, pool = model.config, attention.kv_pool
         self.attention, self.dtype, self._keep = attention, model.embed_tokens.weight.dtype, []
-        # decode steps of up to this many sequences: the matrix-vector products' regime (engine/packed_linear.py);
+        # decode steps of up to this many sequences: the matrix-vector products' regime (engine/fast/packed_linear.py);
         # with quantized layers, no more rows than the fused quantized kernel takes in Python (FUSED_MAX_ROWS)
         quantized = any(isinstance(m, QuantLinear) for layer in model.layers for m in _linears(layer).values())
         self.max_rows = min(gemv_max_rows(self.dtype), FUSED_MAX_ROWS) if quantized else gemv_max_rows(self.dtype)

@@ -12,7 +12,7 @@ Every step recomputes the keys and values of every earlier token, so step t cost
 
 The loop itself (`run_loop`) only asks for "the logits of the next position, given the tokens that
 are new since last time"; `generate_naive` answers by re-running the whole sequence, and
-`engine.kv_cache.generate_cached` answers from a cache. Same loop, same sampler, same stops.
+`engine.companions.kv_cache.generate_cached` answers from a cache. Same loop, same sampler, same stops.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.metrics import RequestTiming
+from engine.companions.metrics import RequestTiming
 from engine.model import LlamaModel
 from engine.sampling import SamplingParams, SamplingState, check_stop, sample, shows_text
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
@@ -43,7 +43,7 @@ class GenerationResult:
 
     @property
     def timing(self) -> RequestTiming:
-        """This run as `engine.metrics` sees a request: one token at the end of each timed step."""
+        """This run as `engine.companions.metrics` sees a request: one token at the end of each timed step."""
         return RequestTiming.from_step_times(self.step_times_s, finish_reason=self.finish_reason)
 
     @property

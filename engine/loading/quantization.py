@@ -432,7 +432,7 @@ def set_backend(model: nn.Module, backend: str) -> None:
 
 def use_quantized_weights(model: nn.Module, weights: dict[str, QuantizedWeight], backend: str = "torch") -> nn.Module:
     """Swap the named decoder linears for QuantLinears holding already-quantized weights (e.g. a GGUF
-    file's blocks: ``engine.gguf.quantized_linear_weights``), in place; returns the model."""
+    file's blocks: ``engine.loading.gguf.quantized_linear_weights``), in place; returns the model."""
     linears = quantizable_linears(model)
     for name, qw in weights.items():
         if name not in linears:

@@ -37,9 +37,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.admission import Admission, Deadlines, Load, prefill_tokens_left
+from engine.serving.admission import Admission, Deadlines, Load, prefill_tokens_left
 from engine.llm_engine import LLMEngine
-from engine.metrics import RequestTiming
+from engine.companions.metrics import RequestTiming
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.trace import StepReport
@@ -126,10 +126,10 @@ class AsyncLLMEngine:
 
     `on_step(report)` runs on the engine thread after every step, `on_finish(timing, index)` once per
     finished sequence (sample `index` of its request) with its `RequestTiming` (token times = the ends of
-    the steps that sampled them, as in `engine.metrics.requests_from_trace`), and `on_abort(request_id,
+    the steps that sampled them, as in `engine.companions.metrics.requests_from_trace`), and `on_abort(request_id,
     reason)` once per request aborted before it finished. /metrics hangs on these three.
 
-    Overload protection (chapter 10, engine/admission.py): with an `admission`, each new request passes
+    Overload protection (chapter 10, engine/serving/admission.py): with an `admission`, each new request passes
     `Admission.check` on the engine thread (with the load of that moment) or `add_request` raises its
     `Rejected`; its tenant's buckets are charged once the engine took it. Each request's deadlines
     (`queue_timeout_s`, `request_timeout_s`) are checked before every step, and one past its deadline is
@@ -185,7 +185,7 @@ class AsyncLLMEngine:
                           **options) -> RequestStream:
         """Add a request (options as `LLMEngine.add_request`: priority, tenant, ...); returns its stream.
         A bad request raises the engine's ValueError / TypeError here, and the engine keeps nothing; one the
-        admission turns away raises `engine.admission.Rejected`. The timeouts may only shorten the
+        admission turns away raises `engine.serving.admission.Rejected`. The timeouts may only shorten the
         admission's own (`AdmissionLimits.queue_timeout_s`, `request_timeout_s`)."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
         timeouts = (queue_timeout_s, request_timeout_s)
@@ -273,7 +273,7 @@ class AsyncLLMEngine:
         return rid, len(head.prompt_token_ids)
 
     def _expire(self) -> None:
-        """Abort every request past one of its deadlines (engine/admission.py's `Deadlines`)."""
+        """Abort every request past one of its deadlines (engine/serving/admission.py's `Deadlines`)."""
         now = self.engine.clock()
         for rid, t in list(self._tracked.items()):
             started = any(s.first_scheduled_time is not None for s in t.samples)

@@ -24,7 +24,7 @@ weights do not fit on one GPU. We have three ways to use several GPUs, and we ca
 - Replicas are whole copies of the (possibly TP x PP split) model that serve different requests:
   no traffic at all and more throughput, but every copy pays the full weight memory again.
 
-A layout is TP x PP x R. For each one we count, per GPU: the weight bytes, engine/memory.py's
+A layout is TP x PP x R. For each one we count, per GPU: the weight bytes, engine/companions/memory.py's
 activation reserve, what is left for the KV cache and so how many tokens, and sequences of the
 given context, fit per replica; and per token: the bytes communicated and how long they take.
 
@@ -58,7 +58,7 @@ import math
 from dataclasses import dataclass, replace
 
 from engine.config import MODEL_PRESETS, ModelConfig
-from engine.memory import (
+from engine.companions.memory import (
     ACTIVATION_RESERVE_FRACTION,
     GB,
     MemoryPlan,
@@ -66,7 +66,7 @@ from engine.memory import (
     dtype_bytes,
     kv_bytes_per_token,
 )
-from engine.roofline import MIN_ACTIVATION_BYTES, MachineRoofline
+from engine.companions.roofline import MIN_ACTIVATION_BYTES, MachineRoofline
 
 TERA = 10**12
 # Megatron-LM's tensor-parallel layer: attention's o_proj and the MLP's down_proj are row-parallel,
@@ -93,7 +93,7 @@ def _check_positive_number(field: str, value, example: str) -> None:
 @dataclass(frozen=True)
 class Device:
     """One accelerator as its datasheet describes it (decimal units: 1 GB = 10**9 bytes, as in
-    engine/memory.py; the card itself reports a little more, in MiB).
+    engine/companions/memory.py; the card itself reports a little more, in MiB).
 
     peak_flops is the dense bf16 tensor-core rate; datasheets often print twice that "with sparsity".
     """
@@ -111,7 +111,7 @@ class Device:
         _check_positive_number("Device.peak_flops", self.peak_flops, "e.g. 989e12")
 
     def roofline(self) -> MachineRoofline:
-        """The same numbers as engine/roofline.py's machine, for its formulas."""
+        """The same numbers as engine/companions/roofline.py's machine, for its formulas."""
         return MachineRoofline(self.peak_flops, self.bandwidth_bytes_per_s, "bf16", f"{self.name}, datasheet")
 
 
@@ -311,7 +311,7 @@ def _stage_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int
 
 def stage_memory_plans(model, device, tp: int, pp: int, weight_dtype="bf16", kv_dtype="bf16",
                        reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> list[MemoryPlan]:
-    """engine/memory.py's MemoryPlan for one GPU of each pipeline stage (budget < 0: weights overflow)."""
+    """engine/companions/memory.py's MemoryPlan for one GPU of each pipeline stage (budget < 0: weights overflow)."""
     config, device = _resolve_model(model), _resolve(device, DEVICE_PRESETS, Device, "device")
     _check_reserve(reserve_fraction)
     _check_positive_int("tp", tp, "the tensor-parallel size")

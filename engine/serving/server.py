@@ -50,7 +50,7 @@ the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant metri
 server was given API keys (`api_keys`, key -> tenant): then the tenant is the bearer key's, and a request
 without a known key gets 401.
 
-Overload protection (chapter 10; the policy is engine/admission.py, `AdmissionLimits`): past
+Overload protection (chapter 10; the policy is engine/serving/admission.py, `AdmissionLimits`): past
 `max_num_queued_reqs` requests in flight or `max_num_queued_tokens` prompt tokens still to prefill, a new
 request gets 503 with Retry-After at once; past its tenant's rate, 429 with Retry-After (that tenant only);
 a request not started within `queue_timeout_s` gets 503, one not finished within `request_timeout_s` 504
@@ -80,10 +80,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.admission import Admission, AdmissionLimits, Rejected
-from engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
+from engine.serving.admission import Admission, AdmissionLimits, Rejected
+from engine.serving.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from engine.llm_engine import LLMEngine
-from engine.metrics import VLLM_NAMES, RequestTiming, prefix_cache_stats, request_observations
+from engine.companions.metrics import VLLM_NAMES, RequestTiming, prefix_cache_stats, request_observations
 from engine.sampling import SamplingParams
 from engine.trace import StepReport, Trace
 
@@ -208,7 +208,7 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-HISTOGRAMS = {  # RequestTiming quantity (engine/metrics.py) -> (help, buckets)
+HISTOGRAMS = {  # RequestTiming quantity (engine/companions/metrics.py) -> (help, buckets)
     "ttft_s": ("Time to first token (arrival -> first token), seconds.", TTFT_BUCKETS),
     "itl_s": ("Inter-token latency (the gap before each token after the first), seconds.", TOKEN_GAP_BUCKETS),
     "tpot_s": ("Time per output token after the first, per request, seconds.", TOKEN_GAP_BUCKETS),
@@ -223,7 +223,7 @@ class ServerMetrics:
     """The server's Prometheus metrics, in a registry of its own (two servers in one process never mix).
 
     Per-request histograms are fed by `on_finish` with each finished sequence's `RequestTiming`, so every
-    latency comes from `engine.metrics` (`request_observations`); token and prefix-cache counters by
+    latency comes from `engine.companions.metrics` (`request_observations`); token and prefix-cache counters by
     `on_step` from each `StepReport`; the gauges (running, waiting, KV usage) are read at scrape time."""
 
     def __init__(self, model_name: str):
@@ -244,7 +244,7 @@ class ServerMetrics:
         self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                ["model_name", "finished_reason"], registry=registry)
         self.rejections = Counter("vllm:admission_rejections", "Requests turned away at the door, by reason "
-                                  "(engine/admission.py).", ["model_name", "reason"], registry=registry)
+                                  "(engine/serving/admission.py).", ["model_name", "reason"], registry=registry)
         self.aborts = Counter("vllm:request_aborts", "Requests aborted before they finished, by reason "
                               "(queue_timeout, request_timeout, client_disconnect, cancelled).",
                               ["model_name", "reason"], registry=registry)
@@ -580,7 +580,7 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def timeout_error(self, update: RequestUpdate) -> OpenAIError | None:
-        """The error for a request its deadline aborted (engine/admission.py's `Deadlines`), else None."""
+        """The error for a request its deadline aborted (engine/serving/admission.py's `Deadlines`), else None."""
         if update.abort_reason == "queue_timeout":
             return OpenAIError(503, "the request waited longer than its queue timeout (queue_timeout_s) for its "
                                "first step and was aborted: the server is overloaded, retry later",
@@ -659,7 +659,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_request_byte
               limits: AdmissionLimits | None = None, api_keys: dict[str, str] | None = None) -> FastAPI:
     """A FastAPI app serving `engine` under `model_name` (default: the engine's model name). The app holds
     its own AsyncLLMEngine (started and stopped with the app's lifespan) at `app.state.front`, the
-    metrics at `app.state.metrics`. `limits`: overload protection (engine/admission.py; default: none);
+    metrics at `app.state.metrics`. `limits`: overload protection (engine/serving/admission.py; default: none);
     `api_keys`: bearer key -> tenant (default: no keys, the tenant is OpenAI's `user`)."""
     server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes, limits, api_keys)
 

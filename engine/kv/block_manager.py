@@ -36,13 +36,13 @@ with them, so a sequence is always in exactly one of the two places::
     device blocks 7, 2, 5 freed      returns [(7, 0), (2, 1), (5, 2)]    CPU blocks freed
                                      (GPU block, CPU block)              returns [(0, 3), (1, 4), (2, 6)]
 
-The pairs are the copies the KV pool (``engine/kv_pool.py``) must do before the next forward.
+The pairs are the copies the KV pool (``engine/kv/kv_pool.py``) must do before the next forward.
 A block shared by forked sequences is copied once per sequence that swaps out, and each gets a
 private device copy on the way back (vLLM swaps a whole sample group at once to keep the sharing;
 we keep it simple).
 
 Prefix caching (chapter 06, ``enable_prefix_caching``): once a sequence's FULL block has its K/V
-written, ``cache_blocks`` registers it under its chained hash (``engine/prefix_cache.py``). When its
+written, ``cache_blocks`` registers it under its chained hash (``engine/kv/prefix_cache.py``). When its
 last holder lets go, the block is not wiped: it becomes *free but cached* and waits in an LRU
 evictor, so the next request with the same prefix shares it (``find_cached_prefix``, then
 ``allocate(..., cached_blocks)``). ``allocate`` uses truly free blocks first and evicts the least
@@ -79,7 +79,7 @@ in that order before the next forward (a block can be read by one move and overw
 within the same step, so the order matters).
 
 This module is pure bookkeeping: it never touches a tensor. The KV pools live in
-``engine/kv_pool.py``, and the attention kernels that read through the tables in
+``engine/kv/kv_pool.py``, and the attention kernels that read through the tables in
 ``kernels/paged_attention``.
 """
 
@@ -89,7 +89,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import PrefixCache, block_hashes
+from engine.kv.prefix_cache import PrefixCache, block_hashes
 from kernels.paged_attention.reference import NULL_BLOCK
 
 
@@ -591,7 +591,7 @@ class BlockManager:
             cached_blocks=self.allocator.num_cached,
         )
 
-    # ---- the prefix cache (chapter 06; engine/prefix_cache.py) -------------------------------
+    # ---- the prefix cache (chapter 06; engine/kv/prefix_cache.py) -------------------------------
     def find_cached_prefix(self, token_ids: list[int], extra_keys: tuple,
                            max_tokens: int) -> list[int | HostBlock]:
         """The blocks holding the longest cached prefix of ``token_ids`` (whole blocks, at most

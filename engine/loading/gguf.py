@@ -9,7 +9,7 @@ A GGUF file is one self-describing blob (we read it with `gguf`, the format's ow
     │ tensor data, aligned: blocks of quantized numbers                            │
     └──────────────────────────────────────────────────────────────────────────────┘
 
-We turn it into the Hugging Face layout that `engine.loader` reads, once, into a cache folder:
+We turn it into the Hugging Face layout that `engine.loading.loader` reads, once, into a cache folder:
 
     model.gguf ──► config.json            the architecture fields, as ModelConfig knows them
                ├─► model.safetensors      every tensor dequantized to fp32, Q and K rows un-permuted

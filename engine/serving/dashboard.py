@@ -11,7 +11,7 @@ Data flow, one way:
                                              second (a slow projector laptop never backs up the engine)
     browser:       static/dashboard.html  -> EventSource, draws the grid on a canvas, writes the numbers
 
-`attach_dashboard(app)` adds the two routes to a server made by `engine.server.build_app` and chains
+`attach_dashboard(app)` adds the two routes to a server made by `engine.serving.server.build_app` and chains
 `LiveStats` onto its engine's per-step hook. `python -m engine dashboard --replay TRACE.json` plays a
 saved `Trace` (e.g. one a benchmark or an incident wrote) through the same page, at any speed.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse, StreamingResponse
 
-from engine.metrics import nearest_rank
+from engine.companions.metrics import nearest_rank
 from engine.trace import StepReport, Trace
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"

@@ -1,0 +1,1 @@
+"""The fast wing (placeholder, filled in below)."""
