@@ -12,11 +12,27 @@ import torch
 # else is a bug in servelab and keeps its traceback.
 CLI_ERRORS = (ValueError, TypeError, KeyError, OSError)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPEEDS = ("reference", "fast")  # engine/config.py's SPEEDS (not imported: --help stays quick)
+SPEED_HELP = ("reference: the readable path only (Python layers, reference attention); fast: the fast wing "
+              "(engine/fast/), the default")
+
+
+def print_speed(engine) -> None:
+    """One line per choice the engine's speed made, with its reason (stderr: the text stays clean)."""
+    for name, choice in engine.acceleration.choices.items():
+        print(f"[{name}: {choice}]", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> None:
-    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
-        return cmd_generate_parallel(args)
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or args.speed is not None:
+        return cmd_generate_engine(args)
+    cmd_generate_loop(args)
+
+
+def cmd_generate_loop(args) -> None:
+    """generate without the paged engine: chapter 03's contiguous-cache loop, or chapter 01's naive one."""
+
+
     from engine.companions.kv_cache import generate_cached
     from engine.loading.loader import load_model
     from engine.companions.naive import generate_naive
@@ -39,24 +55,29 @@ def cmd_generate(args) -> None:
           f"{'naive loop' if args.no_cache else 'KV cache'}, {threads} torch thread(s)]")
 
 
-def cmd_generate_parallel(args) -> None:
-    """generate through the paged engine split over processes (chapter 08): the whole text at the end."""
+def cmd_generate_engine(args) -> None:
+    """generate through the paged engine at --speed, split over processes with --tensor/pipeline-parallel-size
+    (chapter 08): the whole text at the end."""
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+    if args.no_cache:
+        raise ValueError("--no-cache runs chapter 01's loop, which has no --speed or parallel split; drop one")
+    llm = LLM(args.model, dtype=args.dtype, speed=args.speed, tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, num_threads=args.threads)
+    print_speed(llm.engine)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
         t0 = time.perf_counter()
         out = llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0]
-        seconds, stats = time.perf_counter() - t0, llm.engine.runner.comm_stats
+        seconds, stats = time.perf_counter() - t0, getattr(llm.engine.runner, "comm_stats", None)
         print(args.prompt + out.text)
-        moved = ", ".join(f"{kind} {nbytes / 1e6:.2f} MB" for kind, nbytes in stats.bytes.items() if nbytes)
+        moved = "" if stats is None else "; rank 0 moved: " + ", ".join(
+            f"{kind} {nbytes / 1e6:.2f} MB" for kind, nbytes in stats.bytes.items() if nbytes)
         print(f"\n[finish_reason={out.finish_reason}  tokens={len(out.token_ids)}  {seconds:.2f} s  "
-              f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}, {llm.engine.num_threads} torch "
-              f"thread(s) per rank; rank 0 moved: {moved}]")
+              f"speed={llm.engine.config.speed}  TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}, "
+              f"{llm.engine.num_threads} torch thread(s) per rank{moved}]")
     finally:
         llm.engine.shutdown()
 
@@ -173,7 +194,8 @@ def cmd_chat(args) -> None:
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
 
-    engine = LLMEngine.from_pretrained(args.model, args.dtype, max_num_seqs=1)
+    engine = LLMEngine.from_pretrained(args.model, args.dtype, speed=args.speed, max_num_seqs=1)
+    print_speed(engine)
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; chat needs text in and out")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -216,7 +238,9 @@ def cmd_serve(args) -> None:
                "enable_prefix_caching": args.enable_prefix_caching,
                "default_tenant_max_running": args.tenant_max_running}
     limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)  # bad flags: before loading
-    engine = LLMEngine.from_pretrained(args.model, args.dtype, **{k: v for k, v in options.items() if v is not None})
+    engine = LLMEngine.from_pretrained(args.model, args.dtype, speed=args.speed,
+                                       **{k: v for k, v in options.items() if v is not None})
+    print_speed(engine)
     app = build_app(engine, args.served_model_name or args.model, limits=limits, api_keys=keys)
     if not args.no_dashboard:
         attach_dashboard(app)  # the classroom page: http://HOST:PORT/dashboard
@@ -254,6 +278,7 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="0.0.0.0 lets other machines (a classroom) in")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dtype", default="float32", choices=DTYPES)
+    s.add_argument("--speed", default=None, choices=SPEEDS, help=SPEED_HELP)
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     s.add_argument("--enable-chunked-prefill", action="store_true", default=None)
@@ -294,6 +319,9 @@ def main(argv=None) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-cache", action="store_true", help="use chapter 01's naive loop")
+    g.add_argument("--speed", default=None, choices=SPEEDS,
+                   help="run the paged engine at this speed (" + SPEED_HELP + "); without it, chapter 03's "
+                   "contiguous-cache loop")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 for small models, see engine/threads.py)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -321,6 +349,7 @@ def main(argv=None) -> None:
     d.add_argument("--model", default="tinylab")
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--no-pause", action="store_true")
+    d.add_argument("--speed", default=None, choices=SPEEDS, help=SPEED_HELP + " (the engine parts of the demo)")
     d.set_defaults(func=cmd_demo)
     k = sub.add_parser("kv-size", help="the KV-cache memory formula for a model preset")
     k.add_argument("--preset", default="Llama-3-8B")
@@ -349,6 +378,7 @@ def main(argv=None) -> None:
     c.add_argument("--model", default="smollm2-135m-instruct")
     c.add_argument("--system", default=None, help="a system message that starts every conversation")
     c.add_argument("--dtype", default="float32", choices=DTYPES)
+    c.add_argument("--speed", default=None, choices=SPEEDS, help=SPEED_HELP)
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-tokens", type=int, default=256)

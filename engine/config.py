@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 from engine.threads import check_num_threads
 
-WEIGHT_LAYOUTS = ("auto", "linear", "packed")  # engine/fast/packed_linear.py
-
 # The architectures whose weights map onto our one Llama-family decoder (see engine/model.py).
 # value: does the architecture put a bias on the q/k/v projections?
 SUPPORTED_ARCHITECTURES = {
@@ -227,6 +225,9 @@ def _is_int(value) -> bool:
 
 
 KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's option name; "auto" stores K/V in the model's dtype
+# Which free-but-cached block the prefix cache gives up first when the device needs a block (engine/kv/evictor.py):
+# "lru" the least recently used (vLLM's), "fifo" the one cached first, however often it was hit since.
+EVICTION_POLICIES = ("lru", "fifo")
 
 
 @dataclass
@@ -247,6 +248,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False  # chapter 06: share the full KV blocks of a cached prefix (vLLM's name)
     kv_offload_blocks: int = 0  # host tier for evicted prefix-cache blocks (0: none); needs enable_prefix_caching
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": int8 K/V with per-token, per-head scales
+    eviction_policy: str = "lru"  # which cached block is evicted first: one of EVICTION_POLICIES
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_prefix_caching, bool),
@@ -261,6 +263,8 @@ class CacheConfig:
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and value >= low),
                      f"{name} must be an integer >= {low} or None ({none_means}), got {value!r}")
+        _require(self.eviction_policy in EVICTION_POLICIES,
+                 f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.kv_offload_blocks in (0, None) or self.enable_prefix_caching,
@@ -271,17 +275,47 @@ class CacheConfig:
                  "both size the KV cache: give only one of them")
 
 
-# The paged-attention backend the engine uses unless told otherwise. "torch" is the readable reference and the
-# oracle of every kernel test; "sdpa" computes the same thing (equal up to float rounding) through torch's
-# fused attention, a whole step's decodes in one call: on a CPU it was 1.2-1.3x the reference's offline
-# tokens/s and 2-3x its prefill tokens/s (SmolLM2-135M; benchmarks/attention_backends.py, vs_vllm.py).
-# "native" runs decode in C straight from the pools (no gather copies; kernels/paged_attention/cpu_native.c),
-# whole prompts through the C flash-prefill kernel (kernels/flash_prefill/cpu_native.c) and other prefill chunks
-# as sdpa. "auto" picks native where it can run (a CPU, a C compiler, fp32/bf16/int8 pools), else
-# sdpa, silently: either way the numbers are the reference's up to float rounding.
+# The one switch between the readable engine and the fast one (engine/speed.py is the door between them):
+#   "reference"  the spine only: engine/model.py's layers stepping in Python, attention through
+#                kernels/paged_attention/reference.py, torch's argmax. No compiled library is loaded.
+#   "fast"       the fast wing (engine/fast/) transforms a copy of the model once at build (fused and packed
+#                weights, C layers) and brings its own attention backends, decode step and argmax.
+# Both compute the same numbers up to float rounding; greedy tokens equal the naive loop's in both (the tests).
+SPEEDS = ("reference", "fast")
+DEFAULT_SPEED = "fast"
+# The fast wing's expert overrides (FastOptions); "auto" lets engine/fast/probes.py choose for this machine.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "native", "triton", "cuda")
-DEFAULT_ATTENTION_BACKEND = "auto"
+WEIGHT_LAYOUTS = ("auto", "linear", "packed")
 LAYER_BACKENDS = ("auto", "python")
+# What the reference path amounts to in the fast wing's words (so these overrides are allowed in either speed).
+REFERENCE_CHOICES = {"attention_backend": "torch", "weight_layout": "linear", "layer_backend": "python"}
+
+
+@dataclass
+class FastOptions:
+    """Expert overrides of what the fast wing picks (`speed="fast"` only); leave them "auto".
+
+    attention_backend: "torch" (the reference kernels), "sdpa" (torch's fused attention, a step's decodes in one
+        call), "native" (decode and whole prompts in C), "triton" or "cuda" (the teaching kernels).
+    weight_layout: "linear" keeps nn.Linear's [N, K]; "packed" fuses q/k/v and gate/up and packs every matrix
+        for this CPU's matmuls (engine/fast/packed_linear.py).
+    layer_backend: "python" keeps engine/model.py's PyTorch layers; "auto" runs small decode steps' layers in one
+        C call and the norms, SiLU and RoPE of other steps as fused C ops where they can run.
+    """
+
+    attention_backend: str = "auto"
+    weight_layout: str = "auto"
+    layer_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("weight_layout", WEIGHT_LAYOUTS),
+                              ("layer_backend", LAYER_BACKENDS)):
+            value = getattr(self, name)
+            _require(value in allowed, f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+    def overridden(self) -> dict[str, str]:
+        """The options that are not "auto": what a reference engine must refuse."""
+        return {name: value for name, value in vars(self).items() if value != "auto"}
 
 
 @dataclass
@@ -290,30 +324,24 @@ class EngineConfig:
 
     model: str = "tinylab"
     dtype: str = "float32"
-    attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    speed: str = DEFAULT_SPEED  # "reference" or "fast": see SPEEDS
+    fast: FastOptions = field(default_factory=FastOptions)  # the fast wing's overrides ("fast" only)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
     num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)
-    # How the linear layers' weights are laid out for the matmuls (engine/fast/packed_linear.py): "linear" keeps
-    # nn.Linear's [N, K]; "packed" stores [K, N] in one column block per thread; "auto" packs fp32 on a CPU.
-    weight_layout: str = "auto"
-    # "auto": a decode step of a few sequences (up to 16 in fp32, 8 in bf16 on CPUs with bf16 instructions: where
-    # the C matrix-vector kernel beats oneDNN, engine/fast/packed_linear.py) runs every decoder layer in one C call where
-    # the packed model and the pools allow it (engine/fast/native_layers.py), and longer steps run RMSNorm, SiLU-times-up
-    # and RoPE as fused C ops (engine/fast/native_ops.py); "python" always runs engine/model.py's PyTorch layers as written.
-    layer_backend: str = "auto"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
 
     def __post_init__(self) -> None:
         check_num_threads(self.num_threads)
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
-        _require(self.attention_backend in ATTENTION_BACKENDS,
-                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}")
-        _require(self.weight_layout in WEIGHT_LAYOUTS,
-                 f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got {self.weight_layout!r}")
-        _require(self.layer_backend in LAYER_BACKENDS,
-                 f"layer_backend must be one of {', '.join(LAYER_BACKENDS)}; got {self.layer_backend!r}")
+        _require(self.speed in SPEEDS, f"speed must be one of {', '.join(SPEEDS)}; got {self.speed!r}")
+        fast_only = {k: v for k, v in self.fast.overridden().items() if v != REFERENCE_CHOICES[k]}
+        if self.speed == "reference" and fast_only:
+            named = ", ".join(f"{k}={v!r}" for k, v in fast_only.items())
+            raise ValueError(f"{named}: fast-wing options, but speed='reference' runs the readable path only "
+                             f"({', '.join(f'{k}={v!r}' for k, v in REFERENCE_CHOICES.items())}); drop them "
+                             "or use speed='fast'")
 
 
 SCHEDULER_POLICIES = ("continuous", "static")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from engine.config import DEFAULT_ATTENTION_BACKEND
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import LlamaModel
 from engine.request import Request
@@ -84,15 +83,16 @@ class RequestOutput:
 class LLM:
     """A model plus an `LLMEngine`. `model`: a bundled name ("tinylab"), a local Hugging Face-format
     folder, or a `LlamaModel` (then pass its `tokenizer`, or None to work with token ids).
+    `speed`: "reference" (the readable path only) or "fast" (the fast wing; the default, DEFAULT_SPEED).
     `**options` go to `engine_config` (scheduler and cache fields, e.g. max_num_seqs=8, policy="static")."""
 
     def __init__(self, model: str | LlamaModel = "tinylab", tokenizer: Tokenizer | None = None,
-                 dtype: str = "float32", attention_backend: str = DEFAULT_ATTENTION_BACKEND, **options):
+                 dtype: str = "float32", speed: str | None = None, **options):
         if isinstance(model, LlamaModel):
-            config = engine_config("custom", dtype, attention_backend, **options)
+            config = engine_config("custom", dtype, speed, **options)
             self.engine = LLMEngine(model, tokenizer, config)
         else:
-            self.engine = LLMEngine.from_pretrained(model, dtype, attention_backend, **options)
+            self.engine = LLMEngine.from_pretrained(model, dtype, speed=speed, **options)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

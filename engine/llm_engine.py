@@ -46,29 +46,28 @@ from collections.abc import Callable
 import torch
 
 from engine.kv.block_manager import BlockManager
-from engine.config import DEFAULT_ATTENTION_BACKEND, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from engine.fast.fused_projections import fuse_projections
+from engine.config import CacheConfig, EngineConfig, FastOptions, ParallelConfig, SchedulerConfig
 from engine.kv.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.model import LlamaModel
-from engine.fast.native_ops import with_native_ops
-from engine.fast.packed_linear import pack_linears, use_packed
 from engine.kv.prefix_cache import cache_key
 from engine.kv.prefix_cache import model_id as weights_id
 from engine.request import SWAPPED, Request, validate_token_ids
-from engine.runner import ModelRunner, PagedAttention
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speed import accelerate
 from engine.threads import default_num_threads, torch_threads
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 from engine.trace import BlockSnapshot, QueueSnapshot, ScheduledRequest, StepReport, TimeSplit, Trace
 
 
-def engine_config(model: str = "tinylab", dtype: str = "float32", attention_backend: str = DEFAULT_ATTENTION_BACKEND,
-                  num_threads: int | None = None, weight_layout: str = "auto", layer_backend: str = "auto",
-                  **options) -> EngineConfig:
-    """An EngineConfig from flat keyword options, each routed to SchedulerConfig or CacheConfig by name
-    (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64, block_size=4)`)."""
-    groups = (("scheduler", SchedulerConfig), ("cache", CacheConfig), ("parallel", ParallelConfig))
+def engine_config(model: str = "tinylab", dtype: str = "float32", speed: str | None = None,
+                  num_threads: int | None = None, **options) -> EngineConfig:
+    """An EngineConfig from flat keyword options, each routed to SchedulerConfig, CacheConfig, ParallelConfig
+    or FastOptions by name (e.g. `engine_config(policy="static", max_num_seqs=8, num_blocks=64,
+    block_size=4)`; `attention_backend="sdpa"` is a fast-wing override). speed None: DEFAULT_SPEED."""
+    groups = (("scheduler", SchedulerConfig), ("cache", CacheConfig), ("parallel", ParallelConfig),
+              ("fast", FastOptions))
     names = {group: {f.name for f in dataclasses.fields(cls)} for group, cls in groups}
     picked: dict[str, dict] = {group: {} for group in names}
     for key, value in options.items():
@@ -77,9 +76,9 @@ def engine_config(model: str = "tinylab", dtype: str = "float32", attention_back
             known = sorted(set().union(*names.values()))
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         picked[owner][key] = value
-    return EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend, num_threads=num_threads,
-                        weight_layout=weight_layout, layer_backend=layer_backend,
-                        cache=CacheConfig(**picked["cache"]),
+    speed = {} if speed is None else {"speed": speed}
+    return EngineConfig(model=model, dtype=dtype, num_threads=num_threads, **speed,
+                        fast=FastOptions(**picked["fast"]), cache=CacheConfig(**picked["cache"]),
                         scheduler=SchedulerConfig(**picked["scheduler"]),
                         parallel=ParallelConfig(**picked["parallel"]))
 
@@ -106,7 +105,8 @@ class LLMEngine:
         # the scheduler only decides; attention reads and writes through the pool.
         host_blocks = cache.kv_offload_blocks or 0
         self.block_manager = BlockManager(num_blocks, cache.block_size, swap_blocks, cache.enable_prefix_caching,
-                                          self.sliding_window, host_blocks)
+                                          self.sliding_window, host_blocks,
+                                          eviction_policy=cache.eviction_policy)
         # The prefix cache's key starts with the model's identity: its name and a hash of a sample of its
         # weights (engine/kv/prefix_cache.py), so new weights never read the old weights' K/V.
         self.model_id = model_id or weights_id(config.model, cfg, model.state_dict().items())
@@ -127,12 +127,11 @@ class LLMEngine:
         self._next_seq_id = 0  # the BlockManager's key of each sequence (one per sample)
 
     @classmethod
-    def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32",
-                        attention_backend: str = DEFAULT_ATTENTION_BACKEND, **options) -> LLMEngine:
+    def from_pretrained(cls, model: str = "tinylab", dtype: str = "float32", **options) -> LLMEngine:
         """Load a local Hugging Face-format folder or a bundled model by name; options: `engine_config`."""
         from engine.loading.loader import load_model
 
-        config = engine_config(model, dtype, attention_backend, **options)
+        config = engine_config(model, dtype, **options)
         llama, tokenizer = load_model(model, dtype=getattr(torch, dtype))
         return cls(llama, tokenizer, config)
 
@@ -144,19 +143,14 @@ class LLMEngine:
             kv_pool = PagedKVPool.for_model(model.config, pool.num_blocks, pool.block_size, pool.dtype,
                                             model.embed_tokens.weight.device, pool.num_swap_blocks,
                                             pool.num_host_blocks)
-            packed = use_packed(self.config.weight_layout, model.embed_tokens.weight.dtype, kv_pool.device)
-            self.weight_layout = "packed" if packed else "linear"
-            if packed:
-                model = self._packed_copy(model)  # a copy: self.model stays as given
-            attention = PagedAttention(kv_pool, self.config.attention_backend, self.sliding_window)
-            return ModelRunner(model, attention, self.config.layer_backend)
+            # speed="fast" may compute with a transformed COPY of the model: self.model stays as given
+            return ModelRunner(accelerate(model, kv_pool, self.config, self.sliding_window, self.num_threads))
         from engine.parallel.comm import launched_by_torchrun
         from engine.parallel.executor import ParallelExecutor, default_worker_threads
 
         if model.embed_tokens.weight.device.type != "cpu":
             raise ValueError("tensor/pipeline parallel runs on CPU ranks over gloo here; load the model on the CPU")
         self.num_threads = default_worker_threads(self.num_threads, par.world_size)
-        self.weight_layout = "linear"  # each rank's shards stay nn.Linear-shaped (not packed yet)
         start = ParallelExecutor.join_torchrun if launched_by_torchrun() else ParallelExecutor.start
         return start(model, self.config, pool, self.sliding_window, self.num_threads)
 
@@ -248,20 +242,35 @@ class LLMEngine:
         cache key, so they never read K/V the old weights wrote; the old entries become unreachable and
         are evicted as usual. Returns the new id.
 
-        With packed weights (engine/fast/packed_linear.py) the runner computes with a packed COPY of the model,
-        so this is also where that copy is made again from the new weights: after changing weights in
-        place, call it before the next step."""
+        With speed="fast" the runner may compute with a transformed COPY of the model (fused, packed), so
+        this is also where that copy is made again from the new weights: after changing weights in place,
+        call it before the next step."""
         self.model_id = weights_id(self.config.model, self.model.config, self.model.state_dict().items())
-        if self.weight_layout == "packed":
-            self.runner.model = self._packed_copy(self.model)
+        if self.config.parallel.world_size == 1:
+            self.use_model(self.model, refresh_id=False)
         return self.model_id
 
-    def _packed_copy(self, model: LlamaModel) -> LlamaModel:
-        """The copy the runner computes with in the "packed" layout: q/k/v and gate/up stacked into one matrix
-        each (engine/fast/fused_projections.py), then every nn.Linear packed for this CPU (engine/fast/packed_linear.py), and
-        (layer_backend "auto") RMSNorm, SiLU-times-up and RoPE as fused C ops (engine/fast/native_ops.py)."""
-        packed = pack_linears(fuse_projections(model), blocks=self.num_threads)
-        return with_native_ops(packed) if self.config.layer_backend == "auto" else packed
+    def use_model(self, model: LlamaModel, refresh_id: bool = True) -> None:
+        """Compute with `model` from the next step on (same shapes: the KV pool stays; the lab's incidents
+        swap in a pruned copy). New weights get a new `model_id` unless refresh_id is False."""
+        if self.config.parallel.world_size != 1:
+            raise ValueError("use_model swaps the model of a single-process engine; a parallel engine's "
+                             "ranks hold their own shards: build a new engine")
+        self.model = model
+        self.runner.load(accelerate(model, self.kv_pool, self.config, self.sliding_window, self.num_threads))
+        if refresh_id:
+            self.model_id = weights_id(self.config.model, model.config, model.state_dict().items())
+
+    @property
+    def acceleration(self):
+        """What the runner computes with (engine/runner.py's Acceleration): model, attention, decode step,
+        argmax, and the fast wing's choices with their reasons."""
+        return self.runner.acceleration
+
+    @property
+    def weight_layout(self) -> str:
+        """"packed" when the runner computes with the fast wing's fused and packed copy, else "linear"."""
+        return "packed" if self.acceleration.choices.get("weight_layout", "").startswith("packed") else "linear"
 
     def get_request(self, request_id: str) -> Request:
         return self.requests[str(request_id)]
@@ -394,13 +403,17 @@ class LLMEngine:
         if not sched.work:
             return {}
         t1 = time.perf_counter()
-        owners, rows = [], []
-        for row, w in enumerate(w for w in sched.work if w.samples):
-            for req in (w.request, *w.request.pending_forks):
+        owners, rows, end = [], [], 0
+        for w in sched.work:  # the logits hold each work's last num_scored rows, in order
+            end += w.num_scored
+            if not w.samples:
+                continue
+            for req in (w.request, *w.request.pending_forks):  # a fork samples from its parent's row
                 owners.append(req)
-                rows.append(row)
+                rows.append(end - 1)
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]  # [len(owners), V]
-        out = sample(picked, [r.sampling for r in owners], self.eos)  # model dtype: plain greedy rows need no copy
+        out = sample(picked, [r.sampling for r in owners], self.eos,
+                     argmax=self.acceleration.argmax)  # model dtype: plain greedy rows need no copy
         time_s.sample = time.perf_counter() - t1
         n_prefill = sum(w.end - w.start for w in sched.work if w.phase == "prefill")
         n_all = sum(w.end - w.start for w in sched.work)
@@ -471,9 +484,10 @@ class LLMEngine:
                       "hidden_size": cfg.hidden_size,
                       "num_hidden_layers": cfg.num_hidden_layers,
                       "max_position_embeddings": cfg.max_position_embeddings},
-            "dtype": self.config.dtype, "attention_backend": self.attention.backend, "num_threads": self.num_threads,
+            "dtype": self.config.dtype, "speed": self.config.speed, "speed_choices": dict(self.acceleration.choices),
+            "attention_backend": self.attention.backend, "num_threads": self.num_threads,
             "weight_layout": self.weight_layout,
-            "layer_backend": "native" if getattr(self.runner, "native_layers", None) else "python",
+            "layer_backend": "native" if getattr(self.runner, "decode_step", None) else "python",
             "cache": {"block_size": self.config.cache.block_size, "num_blocks": num_blocks,
                       "swap_space_blocks": swap_blocks, "kv_cache_bytes": self.kv_pool.nbytes,
                       "enable_prefix_caching": self.config.cache.enable_prefix_caching,

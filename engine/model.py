@@ -129,13 +129,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.o_bias)
-        self.qkv_proj = None  # an engine may stack q/k/v into one matrix (engine/fast/fused_projections.py)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, T, H*D], k and v [B, T, Hkv*D]: three matmuls, or one when they are fused."""
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views into [B, T, (H + 2 Hkv) * D]
+        """q [B, T, H*D], k and v [B, T, Hkv*D]: three matmuls of the same x."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
         B, T, _ = x.shape  # x [B, T, E]
@@ -157,13 +154,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, Fi, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(E, Fi, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(Fi, E, bias=cfg.mlp_bias)
-        self.gate_up_proj = None  # or gate and up stacked into one matrix (engine/fast/fused_projections.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, Fi] each
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # one matmul, [B, T, 2 Fi] split in halves
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, Fi] each
         return self.down_proj(F.silu(gate) * up)  # [B, T, E]
 
 

@@ -6,6 +6,7 @@ that chapter 01 calls on its own to plot the distribution after each step:
 
     logits [V]
       |  penalties      repetition (prompt + output), presence/frequency (output only), min_tokens
+      |  processors     the request's own logits processors, in order (a grammar, a logit bias, ...)
       +-----------> greedy? (temperature 0) --> argmax: no randomness at all
       |  temperature    logits / t             t < 1 sharpens, t > 1 flattens
       |  top-k          keep the k largest logits
@@ -23,19 +24,20 @@ same arithmetic with batched tensor ops.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from kernels.layer_ops import argmax_rows_native, why_layer_ops_cannot_run
-
 GREEDY_EPSILON = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy (t -> 0)
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's documented range for presence and frequency penalties
 TOP_K_OFF = (0, -1)  # vLLM accepts both spellings of "no top-k"
 STAGES = ("temperature", "top_k", "top_p", "min_p")  # the filter stages, in the order we apply them
+# A logits processor (vLLM's V0 signature): (the tokens generated so far, one row of logits [V]) -> a row
+# of logits [V], new or changed in place. It sees the logits after the penalties, before temperature.
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
@@ -62,9 +64,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top logprobs to return with each token
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # applied in order, every path
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.logits_processors = list(self.logits_processors or [])
+        _require(all(callable(f) for f in self.logits_processors), "logits_processors",
+                 self.logits_processors, "a list of callables (output_ids, logits [V]) -> logits [V]")
         self.stop_token_ids = list(self.stop_token_ids or [])
         lo, hi = PENALTY_RANGE
         _require(self.n >= 1, "n", self.n, ">= 1")
@@ -238,6 +244,19 @@ def _mask_stop_tokens(logits: torch.Tensor, params: SamplingParams, n_output: in
     return logits
 
 
+def apply_logits_processors(logits: torch.Tensor, processors: Sequence[LogitsProcessor],
+                            output_ids: Sequence[int]) -> torch.Tensor:
+    """Run the request's processors on one row [V], in order; each must return a row of the same shape."""
+    for fn in processors:
+        out = fn(list(output_ids), logits)
+        if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"logits processor {fn!r} must return a tensor of shape {tuple(logits.shape)}, "
+                             f"got {got}")
+        logits = out
+    return logits
+
+
 def _top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
     if k is None:
         return None
@@ -253,6 +272,7 @@ def _sample_row(logits: torch.Tensor, state: SamplingState,
     logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids, params.repetition_penalty,
                              params.presence_penalty, params.frequency_penalty)
     logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
+    logits = apply_logits_processors(logits, params.logits_processors, state.output_ids)
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
@@ -263,10 +283,17 @@ def _sample_row(logits: torch.Tensor, state: SamplingState,
     return token, _top_logprobs(logits, token, params.logprobs)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[P, V] -> [P]: the greedy token of each row (the first of equal maxima)."""
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
-           eos_token_ids: int | Sequence[int] | None = ()) -> SamplerOutput:
+           eos_token_ids: int | Sequence[int] | None = (),
+           argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows) -> SamplerOutput:
     """Pick one token per row of logits [B, V]; row i follows rows[i]. The states are not changed.
-    eos_token_ids: the model's end-of-sequence ids (one int is fine), kept out until min_tokens."""
+    eos_token_ids: the model's end-of-sequence ids (one int is fine), kept out until min_tokens.
+    argmax: how plain greedy rows find their maxima, all at once (the fast wing brings a C one)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [B, V] with B = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     eos = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
@@ -276,7 +303,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
     picked: list = [None] * len(rows)
     if plain:
         greedy_rows = logits if len(plain) == len(rows) else logits[plain]  # [P, V]
-        for i, token in zip(plain, _argmax_rows(greedy_rows).tolist(), strict=True):
+        for i, token in zip(plain, argmax(greedy_rows).tolist(), strict=True):
             picked[i] = (token, None)
     for i, (row, state) in enumerate(zip(logits, rows, strict=True)):
         if picked[i] is None:
@@ -285,20 +312,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
     return SamplerOutput(token_ids, [logprobs for _, logprobs in picked])
 
 
-def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[P, V] -> [P]: the C argmax where it runs (a 64-row bf16 batch: ~1.5 ms against torch's ~8), else torch's;
-    the same index either way (the first of equal maxima)."""
-    if why_layer_ops_cannot_run(logits) is None:
-        return argmax_rows_native(logits)
-    return logits.argmax(dim=-1)
-
-
 def _plain_greedy(state: SamplingState) -> bool:
-    """Greedy with nothing that changes the logits first (no penalty, no banned EOS before min_tokens) and no
-    logprobs asked for: its token is simply the argmax of its logits row."""
+    """Greedy with nothing that changes the logits first (no penalty, no banned EOS before min_tokens, no
+    logits processor) and no logprobs asked for: its token is simply the argmax of its logits row."""
     p = state.params
     return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.logprobs is None and len(state.output_ids) >= p.min_tokens)
+            and p.logprobs is None and len(state.output_ids) >= p.min_tokens and not p.logits_processors)
 
 
 class StopDecision(NamedTuple):

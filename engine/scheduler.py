@@ -58,17 +58,33 @@ from engine.request import RUNNING, SWAPPED, WAITING, Request
 
 @dataclass
 class ScheduledWork:
-    """Feed positions [start, end) of `request`; sample a token if `end` is its last known token."""
+    """Feed positions [start, end) of `request`; score (keep the logits of) its last `num_scored` positions.
+
+    A plain step scores one position, the last, when `end` is the request's last known token (it samples
+    the next token from it), and none for a prefill chunk that stops short of the prompt's end. A step
+    that verifies k guessed tokens feeds them and scores all k + 1 positions (`scored=k + 1`): the logits
+    at each say whether the next guess was right (speculative decoding).
+    """
 
     request: Request
     start: int
     end: int
     phase: str  # "prefill" or "decode"
     slots: list[int]  # KV slot of each fed position
+    scored: int | None = None  # positions whose logits are kept; None: 1 if it samples, else 0
+
+    def __post_init__(self) -> None:
+        if self.scored is not None and not 0 <= self.scored <= self.end - self.start:
+            raise ValueError(f"scored={self.scored} must be in [0, {self.end - self.start}] (the fed positions)")
 
     @property
     def samples(self) -> bool:
         return self.end == self.request.num_tokens
+
+    @property
+    def num_scored(self) -> int:
+        """How many rows of logits this work needs: its last `num_scored` fed positions."""
+        return int(self.samples) if self.scored is None else self.scored
 
 
 @dataclass
@@ -81,6 +97,11 @@ class SchedulerOutput:
     events: list[dict] = field(default_factory=list)
     budget_left: int = 0
     preempted: bool = False
+
+    @property
+    def num_scored(self) -> int:
+        """Rows of logits the step's forward keeps (the LM head runs on these only)."""
+        return sum(w.num_scored for w in self.work)
 
 
 def rank(req: Request) -> tuple:

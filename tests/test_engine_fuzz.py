@@ -121,10 +121,10 @@ def check_registration(engine: LLMEngine) -> None:
 
 
 class Trial:
-    def __init__(self, seed: int, switches: dict[str, FailSwitch]):
+    def __init__(self, seed: int, switches: dict[str, FailSwitch], speed: str):
         self.rng, self.switches = random.Random(seed), switches
         self.config = random_config(self.rng)
-        self.engine = LLMEngine(MODEL, None, engine_config(model="random", **self.config))
+        self.engine = LLMEngine(MODEL, None, engine_config(model="random", speed=speed, **self.config))
         self.expected: dict[str, tuple[tuple[int, ...], int]] = {}  # sample id -> (prompt, max_tokens)
         self.to_arrive = self.rng.randint(3, 9)
 
@@ -223,19 +223,20 @@ def state_of(engine: LLMEngine) -> tuple:
             {q: bm.block_table(q) for q in bm.seq_ids()}, bm.usage(), len(engine._events))
 
 
-def test_random_arrivals_aborts_bad_prompts_and_failing_steps_never_break_the_engine(monkeypatch):
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_random_arrivals_aborts_bad_prompts_and_failing_steps_never_break_the_engine(monkeypatch, speed):
     modules = {"run_model": runner, "sample": llm_engine}  # where each is looked up at call time
     switches = {name: FailSwitch(getattr(module, name)) for name, module in modules.items()}
     for name, switch in switches.items():
         monkeypatch.setattr(modules[name], name, switch)
     seen = Counter()
     for seed in range(NUM_TRIALS):
-        trial = Trial(seed, switches)
+        trial = Trial(seed, switches, speed)
         try:
             trial.run()
             trial.check_outcome()
         except AssertionError as e:
-            raise AssertionError(f"trial seed={seed} config={trial.config}: {e}") from e
+            raise AssertionError(f"trial seed={seed} speed={speed} config={trial.config}: {e}") from e
         for report in trial.engine.trace.steps:
             seen.update(e.get("mode", e.get("reason", e["type"])) for e in report.events)
             moved = [e for e in report.events if e["type"] == "blocks_moved"]

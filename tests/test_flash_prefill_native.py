@@ -116,7 +116,7 @@ def test_the_engine_sends_a_steps_whole_prompts_in_one_call(monkeypatch):
     outputs equal the reference backend's."""
     from engine_fixtures import mixed_workload, random_model, run_engine
 
-    import engine.runner as runner
+    import engine.fast.attention as runner
 
     calls = []
     real = runner.flash_prefill_planned
@@ -134,17 +134,20 @@ def test_the_engine_sends_a_steps_whole_prompts_in_one_call(monkeypatch):
 def test_long_bf16_prompts_go_to_torchs_kernel_where_the_cpu_has_bf16_instructions(monkeypatch):
     """C_PREFILL_BF16_MAX_TOKENS: with bf16 hardware, a bf16 prompt that long is torch's flash kernel's (AMX);
     shorter ones, and every prompt without bf16 hardware, are the C kernel's."""
-    import engine.runner as runner
+    import engine.fast.attention as attention_module
+    from engine.fast import probes
+    from engine.runner import AttentionMetadata, PrefillChunk
+    from kernels.paged_attention.sdpa import PrefillPlan
 
-    rows = [runner.PrefillChunk(0, 10, None, None), runner.PrefillChunk(10, 10 + runner.C_PREFILL_BF16_MAX_TOKENS,
-                                                                          None, None)]
-    meta = runner.AttentionMetadata(None, None, None, None, prefills=rows)
-    plans = [runner.PrefillPlan(None, 0, None, None)] * 2
-    q = torch.empty(10 + runner.C_PREFILL_BF16_MAX_TOKENS, 9, 64, dtype=torch.bfloat16)
-    attention = object.__new__(runner.PagedAttention)
+    longest = probes.C_PREFILL_BF16_MAX_TOKENS
+    rows = [PrefillChunk(0, 10, None, None), PrefillChunk(10, 10 + longest, None, None)]
+    meta = AttentionMetadata(None, None, None, None, prefills=rows)
+    plans = [PrefillPlan(None, 0, None, None)] * 2
+    q = torch.empty(10 + longest, 9, 64, dtype=torch.bfloat16)
+    attention = object.__new__(attention_module.PlannedAttention)
     attention.backend = "native"
     for hardware, expected in ((True, [0]), (False, [0, 1])):
-        monkeypatch.setattr(runner, "bf16_instructions", lambda h=hardware: h)
+        monkeypatch.setattr(probes, "bf16_instructions", lambda h=hardware: h)
         assert attention._c_prefill_chunks(meta, plans, q, torch.bfloat16, None) == expected
     assert attention._c_prefill_chunks(meta, plans, q.float(), torch.float32, None) == [0, 1]
     assert attention._c_prefill_chunks(meta, plans, q, torch.float32, None) == []  # pools of another dtype

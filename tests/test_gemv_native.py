@@ -1,6 +1,7 @@
-"""kernels/gemv: the C matrix-vector product equals F.linear in fp32 arithmetic, for fp32 and bf16 weights, 1 to 16
-rows (blocks of four and what is left), K and N that are not multiples of the vector width or of the four rows per
-pass, with and without bias, one and two threads, in every build (this machine's, AVX2 only, plain C)."""
+"""kernels/gemv: the C matrix-vector product equals its reference (kernels/gemv/reference.py, the
+exact sum of the fp32 products) for fp32 and bf16 weights, 1 to 16 rows (blocks of four and what
+is left), K and N that are not multiples of the vector width or of the four rows per pass, with
+and without bias, one and two threads, in every build (this machine's, AVX2 only, plain C)."""
 
 import pytest
 import torch
@@ -9,13 +10,26 @@ import torch.nn.functional as F
 from kernels import toolchain
 from kernels.gemv import cpu_native
 from kernels.gemv.cpu_native import gemv_native, why_gemv_cannot_run
+from kernels.gemv.reference import gemv_ref
 
 pytestmark = pytest.mark.skipif(cpu_native.why_library_cannot_load() is not None,
                                 reason=f"the C kernel cannot be built here: {cpu_native.why_library_cannot_load()}")
 
+# C against the exact sum (fp64, rounded once): the kernel's fp32 sums in their own order, by
+# weight dtype. A bf16 weight is widened exactly, so both dtypes share one arithmetic and one bound.
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=1e-4, rtol=1e-5)}
+
 
 def oracle(x, w, b):
-    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    """The exact y = x W^T + b of the kernel's fp32 inputs (kernels/gemv/reference.py)."""
+    return gemv_ref(x, w, b, accumulate=torch.float64)
+
+
+def assert_matches(got, x, w, b, what=""):
+    want = oracle(x, w, b)
+    torch.testing.assert_close(got, want, **TOLERANCE[w.dtype], msg=lambda m: (
+        f"gemv {what} {w.dtype}: x {tuple(x.shape)} @ W {tuple(w.shape)}^T, bias {b is not None}"
+        f": {m}"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,7 +48,7 @@ def test_gemv_equals_linear(dtype, m, n, k, bias, threads):
         got = gemv_native(x, w, b)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)
+    assert_matches(got, x, w, b, f"{threads} thread(s)")
 
 
 def test_a_row_sums_alike_whatever_rides_along_with_it():
@@ -62,7 +76,7 @@ def test_the_other_builds_equal_linear_too(other_build):
     other_build(cpu_native)
     for dtype in (torch.float32, torch.bfloat16):
         w, x, b = torch.randn(13, 45).to(dtype), torch.randn(6, 45), torch.randn(13)
-        torch.testing.assert_close(gemv_native(x, w, b), oracle(x, w.float(), b), atol=1e-4, rtol=1e-5)
+        assert_matches(gemv_native(x, w, b), x, w, b, other_build.name)
 
 
 def test_bad_rows_and_weights_are_named():
@@ -87,3 +101,27 @@ def test_editing_a_shared_header_rebuilds_the_kernels_that_include_it(monkeypatc
     assert toolchain.build_c_library(c_file, "test kernel", toolchain.C_FLAGS).answer() == 41
     (tmp_path / "shared.h").write_text("#define ANSWER 42\n")
     assert toolchain.build_c_library(c_file, "test kernel", toolchain.C_FLAGS).answer() == 42
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_is_linear_on_the_widened_weight(dtype):
+    """gemv_ref in fp32 is F.linear on the fp32 copy of the weight, bit for bit; summed in fp64, it
+    is within fp32 rounding of that."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(13, 45, generator=g).to(dtype)
+    x, b = torch.randn(3, 45, generator=g), torch.randn(13, generator=g)
+    assert torch.equal(gemv_ref(x, w, b), F.linear(x, w.float(), b))
+    exact = gemv_ref(x, w, b, accumulate=torch.float64)
+    torch.testing.assert_close(exact, F.linear(x, w.float(), b))
+
+
+def test_the_reference_names_a_bad_input():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"^x: expected fp32 \[M >= 1, K = 16\]"):
+        gemv_ref(torch.randn(2, 15), w)
+    with pytest.raises(ValueError, match="^x: expected fp32"):
+        gemv_ref(torch.randn(2, 16).bfloat16(), w)
+    with pytest.raises(ValueError, match="^weight: expected fp32 or bf16"):
+        gemv_ref(torch.randn(2, 16), w.half())
+    with pytest.raises(ValueError, match=r"^bias: expected None or fp32 \[N = 8\]"):
+        gemv_ref(torch.randn(2, 16), w, torch.randn(9))

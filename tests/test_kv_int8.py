@@ -144,12 +144,13 @@ def greedy_with_fake_quant_kv(model, prompt, max_tokens):
 @pytest.mark.parametrize("options", [dict(), dict(num_blocks=12, preemption_mode="swap"),
                                      dict(enable_prefix_caching=True, kv_offload_blocks=8, num_blocks=12),
                                      dict(sliding_window=6)], ids=["plain", "swap", "offload", "window"])
-def test_engine_with_int8_kv_equals_the_fake_quant_oracle_token_for_token(options):
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_engine_with_int8_kv_equals_the_fake_quant_oracle_token_for_token(options, speed):
     model = random_model(seed=2)
     prompts = [list(range(2, 2 + n)) for n in (5, 17, 30)] + [list(range(2, 2 + 17)) + [9, 9]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    engine = LLMEngine(model, None, engine_config("random", block_size=4, **{"num_blocks": 64, **options},
-                                                  kv_cache_dtype="int8"))
+    engine = LLMEngine(model, None, engine_config("random", speed=speed, block_size=4,
+                                                  **{"num_blocks": 64, **options}, kv_cache_dtype="int8"))
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()

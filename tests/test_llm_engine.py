@@ -41,8 +41,9 @@ def preemptions(engine) -> list[str]:
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
-def test_greedy_outputs_equal_the_naive_loop(model, workload, expected, policy, chunked):
-    options = dict(policy=policy, max_num_seqs=8)
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_greedy_outputs_equal_the_naive_loop(model, workload, expected, policy, chunked, speed):
+    options = dict(policy=policy, max_num_seqs=8, speed=speed)
     if chunked:
         options |= dict(enable_chunked_prefill=True, max_num_batched_tokens=24, max_prefill_chunk_tokens=16)
     engine, outputs = run_engine(model, workload, **options)
@@ -54,8 +55,9 @@ def test_greedy_outputs_equal_the_naive_loop(model, workload, expected, policy, 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_greedy_outputs_survive_preemption(model, workload, expected, mode, policy):
-    engine, outputs = run_engine(model, workload, policy=policy, preemption_mode=mode, **TINY_POOL)
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_greedy_outputs_survive_preemption(model, workload, expected, mode, policy, speed):
+    engine, outputs = run_engine(model, workload, policy=policy, preemption_mode=mode, speed=speed, **TINY_POOL)
     assert list(outputs.values()) == expected
     assert mode in preemptions(engine)  # the tiny pool really forced preemptions of this kind
     assert engine.block_manager.usage().used_blocks == 0
@@ -260,13 +262,14 @@ def test_a_step_report_accounts_for_blocks_and_queues(model):
 
 @pytest.mark.skipif(not bundled_model_path("tinylab").exists(),
                     reason="the bundled tinylab checkpoint is not built yet (engine/models/tinylab)")
-def test_tinylab_generate_equals_the_naive_loop():
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_tinylab_generate_equals_the_naive_loop(speed):
     from engine.loading.loader import load_model
 
     llama, tokenizer = load_model("tinylab")
     prompts = ["12+7=", "Once upon a time", "x"]
     params = SamplingParams(temperature=0, max_tokens=8)
-    outputs = LLM(llama, tokenizer, max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    outputs = LLM(llama, tokenizer, max_num_seqs=2, speed=speed).generate(prompts, params, use_tqdm=False)
     for out, prompt in zip(outputs, prompts, strict=True):
         naive = generate_naive(llama, tokenizer, prompt, params)
         assert out.outputs[0].token_ids == naive.token_ids and out.outputs[0].text == naive.text

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(why_c_cannot_load() is not None, reason=f"no C l
 
 def count_native_steps(engine: LLMEngine) -> list[int]:
     """Wrap the engine's C layers so that every step they run is counted (rows per step)."""
-    native, rows = engine.runner.native_layers, []
+    native, rows = engine.runner.decode_step, []
     forward = native.forward
 
     def counted(x, cos, sin, meta):
@@ -45,7 +45,7 @@ def test_greedy_outputs_equal_the_naive_loop(max_num_seqs, kv_heads):
     while engine.has_unfinished_requests():
         engine.step()
     assert [engine.get_request(i).output_token_ids for i in ids] == naive_outputs(model, workload)
-    assert rows and max(rows) <= engine.runner.native_layers.max_rows  # the C layers ran, on small decode steps only
+    assert rows and max(rows) <= engine.runner.decode_step.max_rows  # the C layers ran, on small decode steps only
     if max_num_seqs >= 2:
         assert max(rows) >= 2  # several sequences in one C call happened too
 
@@ -62,7 +62,7 @@ def test_qkv_bias_and_a_sliding_window_equal_the_naive_loop():
                 proj.bias.normal_(0, 0.5)
     workload = mixed_workload(4, seed=5, max_out=20)  # outputs run past the window of 8
     engine, outputs = run_engine(windowed, workload, max_num_seqs=2)
-    assert engine.runner.native_layers is not None
+    assert engine.runner.decode_step is not None
     assert list(outputs.values()) == naive_outputs(windowed, workload)
 
 
@@ -76,7 +76,7 @@ def hidden_after_layers(engine: LLMEngine, prompts: list[list[int]]) -> tuple[to
     seen = {}
 
     def both(model, attention, input_ids, positions, meta, native_layers=None):
-        assert native_layers is not None and native_layers.covers(meta)
+        assert native_layers is not None and native_layers.covers(meta)  # the runner's decode step
         x = model.embed_tokens(input_ids)
         cos, sin = model.rope(positions, x.dtype)
         python = x
@@ -117,8 +117,8 @@ def test_quantized_layers_run_in_c_and_agree_with_python(scheme):
     model = random_model(seed=11)
     quantize_model(model, scheme, backend="native")
     engine = LLMEngine(model, None, engine_config(model="random"))
-    assert engine.runner.native_layers is not None
-    assert engine.runner.native_layers.max_rows == FUSED_MAX_ROWS  # beyond it, Python dequantizes for a GEMM
+    assert engine.runner.decode_step is not None
+    assert engine.runner.decode_step.max_rows == FUSED_MAX_ROWS  # beyond it, Python dequantizes for a GEMM
     python, c = hidden_after_layers(engine, [[5, 9, 12, 40, 7], [3, 3, 8]])
     assert (python - c).abs().max() <= 0.02 * python.abs().max()
     workload = mixed_workload(4, seed=2, max_out=10)
@@ -135,7 +135,7 @@ def test_quantized_weights_with_bf16_activations_run_in_c(scheme):
     model = random_model(seed=13).to(torch.bfloat16)
     quantize_model(model, scheme, backend="native")
     engine = LLMEngine(model, None, engine_config(model="random", dtype="bfloat16"))
-    assert engine.runner.native_layers is not None
+    assert engine.runner.decode_step is not None
     python, c = hidden_after_layers(engine, [[5, 9, 12, 40, 7], [3, 3, 8]])
     assert python.dtype == c.dtype == torch.bfloat16
     assert (python.float() - c.float()).abs().max() <= 0.05 * python.float().abs().max()
@@ -149,7 +149,7 @@ def test_quantized_weights_with_bf16_activations_run_in_c(scheme):
 def test_what_the_c_layers_cannot_run_keeps_the_python_layers(options, why):
     model = random_model()
     engine = LLMEngine(model, None, engine_config(model="random", **options))
-    assert engine.runner.native_layers is None
+    assert engine.runner.decode_step is None
     assert why in why_native_layers_cannot_run(engine.runner.model, engine.attention)
     workload = mixed_workload(3, seed=1, max_out=6)
     _, outputs = run_engine(model, workload, **options)
@@ -160,33 +160,33 @@ def test_a_quantized_layer_on_the_torch_backend_keeps_the_python_layers():
     model = random_model()
     quantize_model(model, "int8", backend="torch")
     engine = LLMEngine(model, None, engine_config(model="random"))
-    assert engine.runner.native_layers is None
+    assert engine.runner.decode_step is None
     assert "'torch' backend" in why_native_layers_cannot_run(engine.runner.model, engine.attention)
 
 
 def test_layer_backend_python_turns_them_off_and_a_bad_name_is_refused():
     engine = LLMEngine(random_model(), None, engine_config(model="random", layer_backend="python"))
-    assert engine.runner.native_layers is None
+    assert engine.runner.decode_step is None
     assert engine.trace.config["layer_backend"] == "python"
     with pytest.raises(ValueError, match=r"layer_backend must be one of auto, python; got 'fast'"):
-        EngineConfig(layer_backend="fast")
+        engine_config(layer_backend="fast")
 
 
 def test_a_new_model_in_the_runner_gets_new_descriptors():
-    """engine.runner.model = a pruned copy (the lab's incidents do this): the C layers must follow it."""
+    """engine.use_model(a pruned copy) (the lab's incidents do this): the C layers must follow it."""
     engine = LLMEngine(random_model(), None, engine_config(model="random"))
-    assert len(engine.runner.native_layers.layers) == 2
-    pruned = copy.copy(engine.runner.model)
+    assert len(engine.runner.decode_step.layers) == 2
+    pruned = copy.copy(engine.model)
     pruned.layers = pruned.layers[:1]
-    engine.runner.model = pruned
-    assert len(engine.runner.native_layers.layers) == 1
+    engine.use_model(pruned)
+    assert len(engine.runner.decode_step.layers) == 1
     with pytest.raises(ValueError, match="cannot run this model"):
         NativeLayers(random_model(), engine.attention)  # not packed: the Python layers' job
 
 
 def test_bad_step_arguments_name_the_field():
     engine = LLMEngine(random_model(), None, engine_config(model="random"))
-    native, E, D = engine.runner.native_layers, 64, 16
+    native, E, D = engine.runner.decode_step, 64, 16
     good = dict(x=torch.zeros(1, E), cos=torch.ones(1, D), sin=torch.zeros(1, D),
                 slots=torch.zeros(1, dtype=torch.int64),
                 block_tables=torch.zeros(1, 1, dtype=torch.int32), seq_lens=torch.ones(1, dtype=torch.int32))

@@ -17,17 +17,11 @@ from engine.fast import packed_linear
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, engine_config
 from engine.companions.naive import generate_naive
-from engine.fast.packed_linear import (
-    GEMV_MAX_ROWS,
-    PackedLinear,
-    bf16_instructions,
-    onednn_available,
-    pack_linears,
-    use_packed,
-)
+from engine.fast.packed_linear import PackedLinear, pack_linears
+from engine.fast.probes import bf16_instructions, onednn_available, use_packed
 from engine.loading.quantization import QuantLinear, quantize_model
 from engine.sampling import SamplingParams
-from kernels.gemv import why_gemv_cannot_run
+from kernels.gemv import GEMV_MAX_ROWS, why_gemv_cannot_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |packed - linear| / max |linear|
 
@@ -128,9 +122,9 @@ def test_auto_packs_fp32_on_a_cpu_only(layout, dtype, device, expected):
 
 def test_a_bad_weight_layout_names_the_field_and_the_choices():
     with pytest.raises(ValueError, match=r"weight_layout must be one of auto, linear, packed; got 'kn'"):
-        EngineConfig(weight_layout="kn")
-    with pytest.raises(ValueError, match="weight_layout"):
-        use_packed("kn", torch.float32, torch.device("cpu"))
+        engine_config(weight_layout="kn")
+    with pytest.raises(ValueError, match=r"weight_layout='packed': fast-wing options, but speed='reference'"):
+        engine_config(speed="reference", weight_layout="packed")
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

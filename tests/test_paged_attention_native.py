@@ -206,7 +206,7 @@ def test_auto_is_native_on_a_cpu_and_sdpa_where_native_cannot_read_the_pool():
 
 
 def test_the_engine_plans_native_decode_once_per_step(monkeypatch):
-    import engine.runner as runner
+    import engine.fast.attention as runner
 
     calls = []
     real = runner.plan_decode_native

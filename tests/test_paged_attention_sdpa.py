@@ -144,7 +144,7 @@ def test_planned_write_equals_the_reference_write():
 
 
 def test_the_engine_plans_attention_once_per_step_not_per_layer(monkeypatch):
-    import engine.runner as runner
+    import engine.fast.attention as runner
 
     calls = []
     real = runner.plan_decode

@@ -330,8 +330,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class FuzzRun:
-    def __init__(self, config: dict, actions: dict, caching: bool):
-        self.engine = LLMEngine(MODEL, None, engine_config(model="random", enable_prefix_caching=caching, **config))
+    def __init__(self, config: dict, actions: dict, caching: bool, speed: str = "fast"):
+        self.engine = LLMEngine(MODEL, None, engine_config(model="random", speed=speed,
+                                                           enable_prefix_caching=caching, **config))
         self.actions, self.requests = actions, {}  # sample id -> its script entry
         self.computed: dict[str, list[int]] = {}  # sample id -> the longest token prefix a forward has seen
 
@@ -393,11 +394,12 @@ class FuzzRun:
         assert n <= legal // BS * BS, f"{rid} hit {n} tokens; only {legal} were computed in its scope"
 
 
-def test_the_cache_changes_no_token_and_leaks_nothing_across_tenants_under_fuzz():
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_the_cache_changes_no_token_and_leaks_nothing_across_tenants_under_fuzz(speed):
     seen = Counter()
     for seed in range(NUM_TRIALS):
         config, actions = script(seed)
-        runs = {caching: FuzzRun(config, actions, caching) for caching in (False, True)}
+        runs = {caching: FuzzRun(config, actions, caching, speed) for caching in (False, True)}
         try:
             for r in runs.values():
                 r.run()

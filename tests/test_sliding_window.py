@@ -213,10 +213,12 @@ POLICIES = [dict(), dict(policy="static"), dict(num_blocks=16), dict(num_blocks=
 
 
 @pytest.mark.parametrize("options", POLICIES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_window_outputs_equal_the_naive_loop_under_every_policy(mistral, options):
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_window_outputs_equal_the_naive_loop_under_every_policy(mistral, options, speed):
     prompts = prompts_longer_than_the_window(mistral.config.vocab_size)
     prompts += prompts[2:]  # repeats: prefix hits, and enough load to preempt in a 16-block pool
-    engine = LLMEngine(mistral, None, engine_config("mistral", **{"block_size": 4, "num_blocks": 64, **options}))
+    engine = LLMEngine(mistral, None, engine_config("mistral", speed=speed,
+                                                    **{"block_size": 4, "num_blocks": 64, **options}))
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()

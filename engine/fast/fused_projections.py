@@ -11,55 +11,71 @@ weights along the output axis gives one matrix, and one matmul computes all thre
 The arithmetic is the same: every output is the same row times the same x, so the numbers equal the three
 separate matmuls' up to float rounding (and exactly, for a kernel that sums each row in one fixed order).
 What changes is the cost around the arithmetic: at decode time a matmul is small, and each call pays its
-dispatch, reads x again and, for the native int4/int8 kernel, rounds x to int8 again. In SmolLM2-135M's 30
-layers, fusing turns 210 matmuls per token into 120; at batch 1 on one thread that was ~7% of a decode step
-(17.7 -> 16.5 ms, int4 weights; benchmarks/quantization.py has the engine's numbers).
+dispatch, reads x again and, for the native int4/int8 kernel, rounds x to int8 again: fusing turns 7
+matmuls per layer into 4 (benchmarks/results/quantization.md has the engine's numbers).
 
-The engine fuses a shallow COPY of the model when it packs weights (engine/fast/packed_linear.py), so the model you
-passed in keeps its separate q/k/v layers (the transformers oracle, the notebooks and the quantizer read
-those). Layers that cannot be stacked stay separate: quantized layers stack only if they share bits, group
-size and kernel, with per-channel or per-group scales (a per-tensor scale is one number per matrix) and no
-activation quantization or smoothing of their own.
+The fast wing fuses a COPY of the model (engine/surgery.py), so the model you passed in keeps its separate
+q/k/v layers. Layers that cannot be stacked stay separate: quantized layers stack only if they share bits,
+group size and kernel, with per-channel or per-group scales (a per-tensor scale is one number per matrix)
+and no activation quantization or smoothing of their own.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from engine.loading.quantization import QuantLinear
+from engine.model import MLP, Attention
+from engine.surgery import replaced
 from kernels.quant_matmul import QuantizedWeight
 
 
+class FusedAttention(Attention):
+    """engine/model.py's Attention with q, k and v computed by ONE matmul (`qkv_proj`)."""
+
+    def __init__(self, attn: Attention, qkv_proj: nn.Module):
+        nn.Module.__init__(self)  # no fresh weights: we take attn's
+        self.layer, self.H, self.Hkv, self.D = attn.layer, attn.H, attn.Hkv, attn.D
+        self.qkv_proj, self.o_proj = qkv_proj, attn.o_proj
+        self.qkv_sizes = [attn.H * attn.D, attn.Hkv * attn.D, attn.Hkv * attn.D]
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # views into [B, T, (H + 2 Hkv) * D]
+
+
+class FusedMLP(MLP):
+    """engine/model.py's SwiGLU MLP with gate and up computed by ONE matmul (`gate_up_proj`)."""
+
+    def __init__(self, mlp: MLP, gate_up_proj: nn.Module):
+        nn.Module.__init__(self)
+        self.gate_up_proj, self.down_proj = gate_up_proj, mlp.down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # one matmul, [B, T, 2 Fi] split in halves
+        return self.down_proj(F.silu(gate) * up)  # [B, T, E]
+
+
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """A shallow copy of `model` whose attention layers have `qkv_proj` and MLPs `gate_up_proj` where the
-    layers can be stacked; the original model is left as it was (every other tensor is shared)."""
-    twin = copy.copy(model)
-    twin._modules = dict(model._modules)
-    twin.layers = nn.ModuleList(_fuse_layer(layer) for layer in model.layers)
-    return twin
+    """A copy of `model` whose attention layers and MLPs are fused where their layers can be stacked; the
+    original model is left as it was (every other tensor is shared)."""
+    return replaced(model, _fused)
 
 
-def _fuse_layer(layer: nn.Module) -> nn.Module:
-    twin = copy.copy(layer)
-    twin._modules = dict(layer._modules)
-    attn, mlp = copy.copy(layer.self_attn), copy.copy(layer.mlp)
-    attn._modules, mlp._modules = dict(attn._modules), dict(mlp._modules)
-    parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if (fused := stack_linears(parts)) is not None:
-        attn.qkv_proj, attn.qkv_sizes = fused, [p.out_features for p in parts]
-        del attn.q_proj, attn.k_proj, attn.v_proj  # the copy computes through the fused matrix only
-    if (fused := stack_linears((mlp.gate_proj, mlp.up_proj))) is not None:
-        mlp.gate_up_proj = fused
-        del mlp.gate_proj, mlp.up_proj
-    twin.self_attn, twin.mlp = attn, mlp
-    return twin
+def _fused(name: str, module: nn.Module) -> nn.Module | None:
+    if type(module) is Attention:
+        fused = stack_linears((module.q_proj, module.k_proj, module.v_proj))
+        return None if fused is None else FusedAttention(module, fused)
+    if type(module) is MLP:
+        fused = stack_linears((module.gate_proj, module.up_proj))
+        return None if fused is None else FusedMLP(module, fused)
+    return None
 
 
 def stack_linears(parts) -> nn.Module | None:
-    """One layer computing every part's output side by side ([..., sum of N]), or None if they cannot be stacked."""
+    """One layer computing every part's output side by side ([..., sum of N]), or None if they cannot
+    be stacked."""
     if all(type(p) is nn.Linear for p in parts):
         return _stack_float(parts)
     if all(type(p) is QuantLinear for p in parts):
@@ -84,15 +100,15 @@ def _stack_float(parts) -> nn.Linear | None:
 
 def _stack_quantized(parts) -> QuantLinear | None:
     first = parts[0]
-    same = all((p.bits, p.group_size, p.backend, p.in_features) == (first.bits, first.group_size, first.backend,
-                                                                    first.in_features) for p in parts)
+    key = (first.bits, first.group_size, first.backend, first.in_features)
+    same = all((p.bits, p.group_size, p.backend, p.in_features) == key for p in parts)
     own_scaling = any(p.act_quant or p.smooth is not None or p.qw.per_tensor for p in parts)
     mixed = len({p.bias is None for p in parts}) != 1 or len({p.zeros is None for p in parts}) != 1
     if not same or own_scaling or mixed:
         return None
     qws = [p.qw for p in parts]
     qw = QuantizedWeight(first.bits, torch.cat([q.qweight for q in qws]), torch.cat([q.scales for q in qws]),
-                         None if first.zeros is None else torch.cat([q.zeros for q in qws]), first.group_size,
-                         (sum(q.shape[0] for q in qws), first.in_features))
+                         None if first.zeros is None else torch.cat([q.zeros for q in qws]),
+                         first.group_size, (sum(q.shape[0] for q in qws), first.in_features))
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])
     return QuantLinear(qw, bias, backend=first.backend)

@@ -17,7 +17,7 @@ It runs on the engine's packed copy of the model (engine/fast/packed_linear.py, 
 q/k/v and gate/up are already stacked, and only when every piece has a C twin: fp32 or bf16 weights read by
 the gemv kernel, or int4/int8 weights on the native quantized kernel; fp32 or bf16 KV pools read by the native
 attention kernel. Anything else (int8 KV, fp16, SmoothQuant or W8A8 layers, a GPU) keeps the Python layers,
-and `why_native_layers_cannot_run` says why. `EngineConfig.layer_backend="python"` turns it off.
+and `why_native_layers_cannot_run` says why. `layer_backend="python"` (a fast-wing override) turns it off.
 
 The C file rounds to bf16 after every op where torch does, so greedy outputs equal the Python layers' (and
 the naive loop's) in fp32, and agree up to float summation order in bf16 (tests/test_native_layers.py).
@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.fast.packed_linear import PackedLinear, gemv_max_rows
+from engine.fast.packed_linear import PackedLinear
+from engine.fast.probes import gemv_max_rows
 from engine.loading.quantization import QuantLinear
 from kernels.decoder_layers import LINEAR_KINDS, Layer, Linear, ModelDims, decoder_layers_native, kernel_pointers
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
@@ -40,7 +41,8 @@ LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
 
 def _linears(layer) -> dict:
     attn, mlp = layer.self_attn, layer.mlp
-    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+    return {"qkv": getattr(attn, "qkv_proj", None), "o": attn.o_proj,
+            "gate_up": getattr(mlp, "gate_up_proj", None), "down": mlp.down_proj}
 
 
 def why_linear_cannot_run(module) -> str | None:

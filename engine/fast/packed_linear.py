@@ -57,53 +57,19 @@ Fine for the models this project runs on a laptop; a bigger model would keep one
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import WEIGHT_LAYOUTS
-from kernels.gemv import GEMV_MAX_ROWS, gemv_native, why_gemv_cannot_run
-
-# Dtypes whose CPU matmuls are faster from the packed layout (the table in the module docstring).
-PACKED_IS_FASTER = {torch.float32: True, torch.bfloat16: True, torch.float16: False}
-
-
-# Up to gemv_max_rows(dtype) a matmul is a GEMV (memory-bound): the C kernel or the column blocks; above it
-# oneDNN (table above).
-# oneDNN picks its blocked layout for a typical row count; 16 served 2..1024 rows well here (a hint of 1 did
-# not, 128 lost at 256 rows). It is a hint only: any M runs.
-ONEDNN_ROWS_HINT = 16
-
-
-def onednn_available() -> bool:
-    """Whether this torch build can pack a weight for oneDNN's CPU matmul."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def bf16_instructions() -> bool:
-    """Whether oneDNN can run bf16 GEMMs in hardware here (avx512_bf16 / AMX); without them a bf16 GEMM is
-    emulated, several times slower than fp32 (15 against 96-117 GFLOP/s on this AVX2 EPYC, 1024 rows)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-# bf16 decode rows the C kernel takes where oneDNN runs bf16 GEMMs in hardware: its AMX GEMM costs about the same
-# at 2 and at 16 rows (Sapphire Rapids, 2 threads, 212 MB of SmolLM2-sized weights: 21-23 ms a pass), while the C
-# kernel's arithmetic grows with the rows (12 ms at 2, 13 at 4, 21 at 8, 29 at 12).
-BF16_GEMV_MAX_ROWS = 8
-COLUMN_BLOCK_MAX_ROWS = 2  # without the C kernel: the column-block bmm's rows (a decode step of 1 or 2)
-
-
-def gemv_max_rows(dtype: torch.dtype) -> int:
-    """The most rows of x that go to the C matrix-vector kernel: all it takes (GEMV_MAX_ROWS) in fp32, where it
-    keeps up with oneDNN's packed GEMM (2 threads, 425 MB of SmolLM2-sized weights: 21 against 26 ms at 4 rows,
-    28 against 32 at 8, 42 against 36 at 16, where a step in C saves the Python layers' overhead), and in bf16
-    on CPUs without bf16 instructions (oneDNN would compute from an fp32 copy, twice the bytes);
-    BF16_GEMV_MAX_ROWS in bf16 where oneDNN has them."""
-    if dtype == torch.bfloat16 and bf16_instructions():
-        return BF16_GEMV_MAX_ROWS
-    return GEMV_MAX_ROWS
+from engine.fast.probes import (
+    COLUMN_BLOCK_MAX_ROWS,
+    ONEDNN_ROWS_HINT,
+    bf16_instructions,
+    gemv_max_rows,
+    onednn_available,
+)
+from engine.surgery import replaced
+from kernels.gemv import gemv_native, why_gemv_cannot_run
 
 
 class PackedLinear(nn.Module):
@@ -176,27 +142,10 @@ class PackedLinear(nn.Module):
                 f"onednn={self.onednn is not None}, gemm_dtype={self.gemm_dtype}")
 
 
-def use_packed(layout: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `weight_layout` = `layout` packs a model of this dtype on this device."""
-    if layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
-    if layout == "auto":
-        return device.type == "cpu" and PACKED_IS_FASTER.get(dtype, False)
-    return layout == "packed"
-
-
 def pack_linears(model: nn.Module, blocks: int) -> nn.Module:
     """A copy of `model` whose plain nn.Linear layers are PackedLinear; the original is left as it was.
 
     Only exact `nn.Linear` modules are packed: quantized layers (chapter 07) have their own kernels and
-    stay as they are. Modules with no nn.Linear inside (norms, embeddings) are shared, not copied, and so
-    is every other tensor (the RoPE tables).
+    stay as they are. Everything else is shared, not copied (engine/surgery.py).
     """
-    if type(model) is nn.Linear:
-        return PackedLinear(model, blocks)
-    if not any(type(m) is nn.Linear for m in model.modules()):
-        return model  # nothing to pack below: share it as it is
-    twin = copy.copy(model)
-    twin._modules = {name: None if child is None else pack_linears(child, blocks)
-                     for name, child in model._modules.items()}
-    return twin
+    return replaced(model, lambda name, m: PackedLinear(m, blocks) if type(m) is nn.Linear else None)

@@ -43,14 +43,15 @@ we keep it simple).
 
 Prefix caching (chapter 06, ``enable_prefix_caching``): once a sequence's FULL block has its K/V
 written, ``cache_blocks`` registers it under its chained hash (``engine/kv/prefix_cache.py``). When its
-last holder lets go, the block is not wiped: it becomes *free but cached* and waits in an LRU
+last holder lets go, the block is not wiped: it becomes *free but cached* and waits in an
 evictor, so the next request with the same prefix shares it (``find_cached_prefix``, then
-``allocate(..., cached_blocks)``). ``allocate`` uses truly free blocks first and evicts the least
-recently used cached block only when there are none, dropping its hash before the block is reused::
+``allocate(..., cached_blocks)``). ``allocate`` uses truly free blocks first and evicts a cached
+block only when there are none, dropping its hash before the block is reused. Which one goes is
+the ``eviction_policy`` (``engine/kv/evictor.py``: least recently used first by default, or FIFO)::
 
     block state     refcount   hash   where
     used            >= 1       maybe  in block tables
-    free but cached 0          yes    the evictor (LRU first)   <- a hit revives it, no copy
+    free but cached 0          yes    the evictor (victim first)  <- a hit revives it, no copy
     free            0          no     the free list
 
 Sliding window (Mistral, ``sliding_window = W``): a query at position p reads only positions
@@ -67,11 +68,15 @@ Host tier (``num_host_blocks``, needs the prefix cache): a second, larger and sl
 free-but-cached blocks. When the device must evict one, its K/V is first copied to the host tier
 under the same hash ("offload"), instead of being lost; a later request whose prefix misses on the
 device but hits on the host gets a fresh device block with the K/V copied back ("reload"), instead
-of prefilling it again. The host tier is itself an LRU cache: when it is full, its least recently
-used block is dropped for good::
+of prefilling it again. The host tier is itself a prefix cache with the same eviction policy: when
+it is full, its evictor's victim (the least recently used, by default) is dropped for good::
 
     device:  used | free | free-but-cached --evict--> offload to host --hit--> reload to device
-    host:    free | cached (LRU)                                 (dropped when the host is full)
+    host:    free | cached (evictor order)                       (dropped when the host is full)
+
+Rollback (for speculative decoding: a step writes K/V for several guessed tokens, the rejected ones
+are taken back): ``rollback(seq, n)`` forgets a sequence's last n slots, frees the blocks left
+empty and drops the hash of every block whose hashed tokens it took back (see its docstring).
 
 Every block copy any method decides (swap out/in, copy-on-write, offload, reload) is also recorded,
 in decision order, as a ``BlockMove``; ``take_moves`` hands them to the KV pool, which must do them
@@ -89,6 +94,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.kv.evictor import make_evictor
 from engine.kv.prefix_cache import PrefixCache, block_hashes
 from kernels.paged_attention.reference import NULL_BLOCK
 
@@ -114,9 +120,9 @@ class BlockAllocator:
     block tables that hold it). We hand out the lowest ids first, which makes pictures readable.
 
     With a prefix cache (chapter 06) there is a third state, *free but cached*: refcount 0, its
-    K/V still valid and findable by hash, parked in the cache's LRU evictor instead of the free
-    list. ``allocate`` takes a truly free block first and evicts the least recently used cached
-    block only when there is none; ``num_available`` counts both kinds.
+    K/V still valid and findable by hash, parked in the cache's evictor instead of the free
+    list. ``allocate`` takes a truly free block first and evicts the evictor's victim only when
+    there is none; ``num_available`` counts both kinds.
     """
 
     def __init__(self, num_blocks: int, cache: PrefixCache | None = None,
@@ -298,11 +304,14 @@ class BlockManager:
     ``NoFreeBlocksError`` the tables, token counts and free lists are exactly as before.
     ``seq_id in manager`` and ``seq_ids()`` speak of the device pool; a swapped sequence is
     asked about with ``is_swapped``.
+
+    ``eviction_policy`` (one of ``EVICTION_POLICIES``, ``engine/kv/evictor.py``) orders the
+    free-but-cached blocks of the prefix cache and of the host tier; checked even without a cache.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
                  enable_prefix_caching: bool = False, sliding_window: int | None = None,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, eviction_policy: str = "lru"):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
@@ -312,17 +321,19 @@ class BlockManager:
         if num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0 (0: no swap pool), got {num_swap_blocks}")
         self.block_size = block_size
-        # The prefix cache (chapter 06): hash -> block for full blocks, and the LRU evictor of the
+        # The prefix cache (chapter 06): hash -> block for full blocks, and the evictor of the
         # free-but-cached ones. The allocator consults it when a block's last holder lets go, and
         # evicts from it when the free list is empty.
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        evictor = make_evictor(eviction_policy)  # raises on an unknown name, cache or no cache
+        self.eviction_policy = eviction_policy
+        self.prefix_cache = PrefixCache(evictor) if enable_prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, self.prefix_cache)
         self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
         if num_host_blocks < 0 or (num_host_blocks and not enable_prefix_caching):
             raise ValueError(f"num_host_blocks must be >= 0, and > 0 only with enable_prefix_caching=True (the host "
                              f"tier keeps evicted prefix-cache blocks), got {num_host_blocks}")
-        # The host tier: an LRU prefix cache of its own, every block free but cached (refcount 0).
-        self.host_cache = PrefixCache() if num_host_blocks else None
+        # The host tier: a prefix cache of its own (same policy), every block free but cached.
+        self.host_cache = PrefixCache(make_evictor(eviction_policy)) if num_host_blocks else None
         self.host_allocator = BlockAllocator(num_host_blocks, self.host_cache) if num_host_blocks else None
         if self.host_allocator is not None:
             self.allocator.on_evict = self._offload
@@ -430,7 +441,9 @@ class BlockManager:
         """Make room for ``num_new_tokens`` more tokens; returns their slots and any COW copy.
 
         New blocks are taken only when the tokens spill past the last block. If the last block
-        is partly filled *and* shared (refcount > 1), we first swap in a private copy.
+        is partly filled *and* shared (refcount > 1), we first swap in a private copy. If it is
+        partly filled, ours alone and still hashed (a rollback left it partial while another holder
+        kept it full, and that holder has left since), it loses its hash before we overwrite it.
         """
         seq = self._get(seq_id)
         if num_new_tokens < 0:
@@ -446,11 +459,78 @@ class BlockManager:
             seq.block_table[-1] = dst
             copies.append((src, dst))
             self._moves.append(BlockMove("copy", src, dst))
+        elif num_new_tokens and seq.num_tokens % self.block_size and self.prefix_cache:
+            self.prefix_cache.unregister(seq.block_table[-1])  # no-op for an unhashed block
         grow = self.blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
         seq.block_table.extend(self.allocator.allocate_many(grow))
         start = seq.num_tokens
         seq.num_tokens += num_new_tokens
         return AppendResult(slots=self.slot_mapping(seq_id, range(start, seq.num_tokens)), copies=copies)
+
+    def rollback(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Take back the last ``num_tokens`` slots of a sequence (speculative decoding's rejected
+        guesses); returns the blocks that nobody holds any more, in table order.
+
+        Its token count drops by ``num_tokens``, every block left without a token of it leaves its
+        table, and the next ``append_slots`` writes from the new end, into the partly filled last
+        block first. With BS = 4, 10 tokens, ``rollback(s, 5)``::
+
+            positions   0 1 2 3 | 4 5 6 7 | 8 9      before: table [7, 2, 5], 7 and 2 hashed
+            kept        a b c d | e . . . | . .      after:  table [7, 2]
+                        block 7   block 2   block 5
+                        full:     partial:  empty: leaves the table, freed
+                        hash kept hash goes
+
+        Hashes: a block whose hashed tokens we take back (every block from the first rolled-back
+        position on) loses its hash when this sequence is its only holder, before anything else:
+        its rolled-back slots may hold K/V of rejected tokens, or be written again, and a hit on a
+        wrong hash is far worse than a miss. A block another sequence also holds (a fork, a
+        prefix-cache hit) keeps its hash, which is true for that holder, and only loses our
+        reference; if it is our partial last block, our next write copies it first (copy-on-write)
+        or, once we hold it alone, drops its hash then (``append_slots``).
+
+        Raises ``ValueError``, changing nothing, for an unknown or swapped-out ``seq_id``, a
+        ``num_tokens`` below 0 or above the sequence's tokens, or a rollback past a block the
+        sliding window already freed that the next query would read.
+        """
+        seq = self._check_rollback(seq_id, num_tokens)
+        keep_tokens = seq.num_tokens - num_tokens
+        full = keep_tokens // self.block_size  # blocks whose every token stays
+        keep = self.blocks_for(keep_tokens)  # blocks still holding a token: full, maybe one partial
+        table = seq.block_table
+        if self.prefix_cache is not None:
+            for block in _held(table[full:]):
+                if self.allocator.refcount(block) == 1:
+                    self.prefix_cache.unregister(block)
+        leaving = _held(table[keep:])
+        freed = {b for b in reversed(leaving) if self.allocator.free(b)}  # tail first, as in free
+        del table[keep:]
+        del seq.block_hashes[full:]
+        seq.num_tokens = keep_tokens
+        return [b for b in leaving if b in freed]
+
+    def _check_rollback(self, seq_id: int, num_tokens: int) -> _Sequence:
+        """The sequence ``rollback`` may change, or a ValueError saying which argument is wrong."""
+        if seq_id in self._swapped:
+            raise ValueError(f"seq_id {seq_id!r} is swapped out: swap_in first, then roll back")
+        if seq_id not in self._seqs:
+            raise ValueError(f"unknown seq_id {seq_id!r}; live ids: {sorted(self._seqs)}")
+        seq = self._seqs[seq_id]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
+                or not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"num_tokens must be an integer in 0..{seq.num_tokens} (the tokens "
+                             f"sequence {seq_id} holds), got {num_tokens!r}")
+        if self.sliding_window is not None:
+            # The next query, at position keep_tokens, reads blocks from `needed` on: none may be
+            # a NULL_BLOCK the window freed (it would read nothing, or write into nothing).
+            keep_tokens = seq.num_tokens - num_tokens
+            needed = max(0, keep_tokens - self.sliding_window + 1) // self.block_size
+            kept = seq.block_table[needed:self.blocks_for(keep_tokens)]
+            if NULL_BLOCK in kept:
+                raise ValueError(f"num_tokens={num_tokens} rolls sequence {seq_id} back past a "
+                                 "block the sliding window already freed, which its next query "
+                                 "reads; roll back before free_out_of_window, or by fewer tokens")
+        return seq
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no copy, no new block)."""

@@ -20,7 +20,8 @@ The cache itself is two maps and a queue (`PrefixCache`):
     hash -> block     which physical block holds the prefix a hash names
     block -> hash     so that when a block is reused for other tokens, we drop its hash FIRST
     evictor           the "free but cached" blocks: no table holds them (refcount 0), their K/V is still
-                      valid; least recently used first. They are reused only when the free list is empty.
+                      valid. They are reused only when the free list is empty, in the order of the
+                      eviction policy (least recently used first by default; engine/kv/evictor.py).
 
 What the key must contain, and what goes wrong without it:
 - the model's identity (`model_id`: its name and a hash of a sample of its weights): without it, new
@@ -41,8 +42,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+
+from engine.kv.evictor import Evictor, LRUEvictor
 
 PUBLIC_SCOPE = "public"  # the scope every tenant shares (opt-in per request, or a request with no tenant)
 CACHE_SCOPES = (None, "private", PUBLIC_SCOPE)  # what add_request's cache_scope accepts
@@ -118,23 +120,33 @@ def _plain(config) -> dict:
 
 
 class PrefixCache:
-    """hash -> block, block -> hash, and the LRU evictor of free-but-cached blocks (see the module doc).
+    """hash -> block, block -> hash, and the evictor of free-but-cached blocks (see the module doc).
 
     The BlockManager owns one and the BlockAllocator asks it, so this class is bookkeeping only: it never
     decides when a block is free. A block is in one of three states::
 
         used             refcount >= 1, in some block table (it may have a hash: then it can be shared)
-        free but cached  refcount 0, has a hash, in the evictor (LRU order): reusable as is on a hit
+        free but cached  refcount 0, has a hash, in the evictor (policy order): reusable on a hit
         free             refcount 0, no hash, on the allocator's free list
 
     `evict` removes the block's hash BEFORE handing the block out: a block is reused for other tokens only
     once no hash leads to it any more (the stale-hash bug, otherwise).
+
+    `evictor` is the policy (engine/kv/evictor.py), fresh and empty; None: least recently used.
     """
 
-    def __init__(self):
+    def __init__(self, evictor: Evictor | None = None):
+        if evictor is not None and len(evictor):
+            raise ValueError(f"the evictor must be new and empty, it holds {evictor.blocks()}: "
+                             "pass make_evictor(policy)")
         self._block_of: dict[str, int] = {}
         self._hash_of: dict[int, str] = {}
-        self._evictor: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._evictor: Evictor = evictor if evictor is not None else LRUEvictor()
+
+    @property
+    def evictor(self) -> Evictor:
+        """The eviction policy's object (to read: the cache alone calls its methods)."""
+        return self._evictor
 
     @property
     def num_evictable(self) -> int:
@@ -145,8 +157,8 @@ class PrefixCache:
         return len(self._block_of)
 
     def evictable(self) -> list[int]:
-        """The free-but-cached blocks, least recently used first."""
-        return list(self._evictor)
+        """The free-but-cached blocks in eviction order, the next victim first."""
+        return self._evictor.blocks()
 
     def entries(self) -> dict[str, int]:
         """A copy of the hash -> block map."""
@@ -170,29 +182,43 @@ class PrefixCache:
         self._block_of[h], self._hash_of[block] = block, h
         return True
 
+    def unregister(self, block: int) -> str | None:
+        """Drop the hash of `block`, which a table still holds, because its K/V is about to stop
+        matching it (a rollback took back tokens it was hashed over). Returns the hash, or None
+        when it had none. A free-but-cached block is evicted instead, never unregistered: no free
+        list would take it back."""
+        if block in self._evictor:
+            raise ValueError(f"block {block} is free but cached: evict it, do not unregister it")
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+            self._evictor.forget(block)  # the policy may remember it (FIFO's place in the queue)
+        return h
+
     def park(self, block: int) -> None:
-        """Its last holder let go of a hashed block: it becomes free but cached (most recently used)."""
-        self._evictor[block] = None
+        """Its last holder let go of a hashed block: it becomes free but cached (evictor `add`)."""
+        self._evictor.add(block)
 
     def unpark(self, block: int) -> None:
         """A hit on a free-but-cached block: it leaves the evictor (a table holds it again)."""
-        del self._evictor[block]
+        self._evictor.remove(block)
 
     def evict(self) -> int:
-        """Take the least recently used free-but-cached block, its hash removed first (for reuse)."""
+        """Take the evictor's next victim, its hash removed first (for reuse)."""
         return self.evict_with_hash()[0]
 
     def evict_with_hash(self) -> tuple[int, str]:
         """`evict`, also returning the hash the block held (a host tier may keep its K/V under it)."""
-        block, _ = self._evictor.popitem(last=False)
+        block = self._evictor.pop()
         h = self._hash_of.pop(block)
         del self._block_of[h]
         return block, h
 
     def clear(self) -> list[int]:
         """Forget every hash; returns the blocks that were free but cached (now simply free)."""
-        freed = list(self._evictor)
+        freed = self._evictor.blocks()
+        for block in self._hash_of:
+            self._evictor.forget(block)
         self._block_of.clear()
         self._hash_of.clear()
-        self._evictor.clear()
         return freed

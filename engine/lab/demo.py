@@ -87,9 +87,11 @@ def demo_arrivals(seed: int = DEMO_SEED) -> list[Arrival]:
     return arrivals
 
 
-def demo_engine(model_name: str = "tinylab", num_blocks: int = DEMO_NUM_BLOCKS) -> LLMEngine:
+def demo_engine(model_name: str = "tinylab", num_blocks: int = DEMO_NUM_BLOCKS,
+                speed: str | None = None) -> LLMEngine:
     """The demo's engine: continuous batching, chunked prefill, a small pool, recompute preemption."""
-    return LLMEngine.from_pretrained(model_name, max_num_seqs=DEMO_MAX_NUM_SEQS, num_blocks=num_blocks,
+    return LLMEngine.from_pretrained(model_name, speed=speed, max_num_seqs=DEMO_MAX_NUM_SEQS,
+                                     num_blocks=num_blocks,
                                      block_size=DEMO_BLOCK_SIZE, enable_chunked_prefill=True,
                                      max_num_batched_tokens=DEMO_TOKEN_BUDGET)
 
@@ -193,7 +195,8 @@ def _wait(pause: bool, state: dict) -> None:
         time.sleep(PAUSE_S)
 
 
-def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pause: bool = True) -> Trace:
+def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pause: bool = True,
+                      speed: str | None = None) -> Trace:
     """Run the demo workload step by step with a live view; returns the run's Trace.
 
     steps: stop after this many steps (None: until every request has finished);
@@ -201,7 +204,7 @@ def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pau
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be None (run to the end) or >= 1, got {steps}")
-    engine = demo_engine(model_name)
+    engine = demo_engine(model_name, speed=speed)
     arrivals = demo_arrivals()
     labels = {a.request_id: a.label for a in arrivals}
     print(f"== the engine, step by step: {len(arrivals)} requests arrive over time; KV pool of "
@@ -276,12 +279,12 @@ REAL_MODEL_QUESTIONS = ("What is the capital of France?", "Name three primary co
 REAL_MODEL_MAX_TOKENS = 48
 
 
-def real_model_demo(name: str = REAL_MODEL) -> None:
+def real_model_demo(name: str = REAL_MODEL, speed: str | None = None) -> None:
     """The same engine on a real 135M-parameter model: a couple of chat questions through its chat template."""
     from engine.llm import LLM
 
     try:
-        llm = LLM(name)
+        llm = LLM(name, speed=speed)
     except FileNotFoundError as err:  # the model's package is not installed: say how, and go on
         print(f"== {name}: skipped ({err})\n")
         return
@@ -300,5 +303,6 @@ def run_demo(args) -> None:
     with torch_threads(DEMO_TORCH_THREADS):
         correct = task_demo(args.model)
     print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct ({DEMO_TORCH_THREADS} torch thread).\n")
-    real_model_demo()
-    step_through_demo(args.model, args.steps, pause=not args.no_pause)
+    speed = getattr(args, "speed", None)
+    real_model_demo(speed=speed)
+    step_through_demo(args.model, args.steps, pause=not args.no_pause, speed=speed)

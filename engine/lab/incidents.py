@@ -204,8 +204,7 @@ def _pruned_name() -> str:
 def _swap_in_pruned_model(engine: LLMEngine) -> None:
     """The deploy: the engine and its runner (engine/runner.py, which runs the forward) get the pruned model;
     the next step runs on it."""
-    engine.model = engine.runner.model = pruned(engine.model, PRUNED_LAYERS_KEPT)
-    engine.refresh_model_id()  # new weights: a new identity (it keys the prefix cache)
+    engine.use_model(pruned(engine.model, PRUNED_LAYERS_KEPT))  # new weights: a new model_id too
     record_change(engine, "model", MODEL, _pruned_name())
 
 

@@ -37,7 +37,8 @@ from engine.model import LlamaModel
 from engine.parallel.comm import Comm, CommStats, connect, connect_from_env, free_port
 from engine.parallel.pipeline import StageTimeline, make_stage, run_stage, split_into_micro_batches, stage_layers
 from engine.parallel.tensor_parallel import check_tensor_parallel, shard_model
-from engine.runner import PagedAttention, build_batch, run_model
+from engine.runner import build_batch, run_model
+from engine.speed import accelerate
 from engine.threads import available_cores
 
 JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to exit before it is terminated
@@ -67,7 +68,10 @@ class RankRunner:
             num_layers, num_kv_heads = len(self.model.layers), cfg.num_key_value_heads
         self.kv_pool = PagedKVPool(num_layers, pool.num_blocks, pool.block_size, num_kv_heads, cfg.head_dim,
                                    pool.dtype, "cpu", pool.num_swap_blocks, pool.num_host_blocks)
-        self.attention = PagedAttention(self.kv_pool, config.attention_backend, sliding_window)
+        # the shards stay as they are; speed="fast" brings its attention backend and argmax only
+        self.acceleration = accelerate(self.model, self.kv_pool, config, sliding_window,
+                                       torch.get_num_threads(), transform_model=False)
+        self.attention = self.acceleration.attention
         self.timeline = StageTimeline()
 
     def run(self, plan: StepPlan):
@@ -114,6 +118,7 @@ class ParallelExecutor:
     def __init__(self, runner: RankRunner, processes: list, config: EngineConfig):
         self.runner, self.processes, self.config = runner, processes, config
         self.kv_pool, self.attention, self.comm = runner.kv_pool, runner.attention, runner.comm
+        self.acceleration = runner.acceleration
         self.failure: str | None = None  # once a rank is lost, every later step fails with this
         self._finalizer = weakref.finalize(self, _stop_ranks, runner.comm, processes)
 

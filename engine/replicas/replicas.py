@@ -43,7 +43,6 @@ from multiprocessing import connection, parent_process
 import torch
 import torch.multiprocessing as mp
 
-from engine.config import DEFAULT_ATTENTION_BACKEND
 from engine.llm import RequestOutput, as_params_list, as_prompt_list
 from engine.llm_engine import LLMEngine, engine_config
 from engine.replicas.router import Router, make_router
@@ -156,13 +155,13 @@ def _finished(engine: LLMEngine, request_id: str) -> bool:
 
 
 # ---- inside a replica process ------------------------------------------------------------------------
-def _replica_main(index: int, model: str, dtype: str, attention_backend: str, options: dict,
+def _replica_main(index: int, model: str, dtype: str, speed: str | None, options: dict,
                   inbox, outbox) -> None:
     """A replica process: load the engine, say "ready", then serve until told to stop or orphaned.
     Messages out are (kind, replica, payload): ready, failed, done, rejected, stats, crashed."""
     torch.set_num_threads(options.get("num_threads") or 1)
     try:
-        engine = LLMEngine.from_pretrained(model, dtype, attention_backend, **options)
+        engine = LLMEngine.from_pretrained(model, dtype, speed=speed, **options)
     except BaseException:  # noqa: BLE001 - whatever it was, the parent shows it
         outbox.send(("failed", index, traceback.format_exc()))
         return
@@ -247,7 +246,7 @@ class _InProcess:
 class _Processes:
     """One process per replica (see START_METHOD): commands go in on a queue each, results come back on a pipe each."""
 
-    def __init__(self, num_replicas: int, model: str, dtype: str, attention_backend: str, options: dict,
+    def __init__(self, num_replicas: int, model: str, dtype: str, speed: str | None, options: dict,
                  startup_timeout_s: float):
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":
@@ -256,7 +255,7 @@ class _Processes:
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_replicas)]  # (parent reads, replica writes)
         self.conns = [reader for reader, _ in pipes]
         self.procs = [ctx.Process(target=_replica_main, name=f"replica-{i}", daemon=True,
-                                  args=(i, model, dtype, attention_backend, options, self.inboxes[i], writer))
+                                  args=(i, model, dtype, speed, options, self.inboxes[i], writer))
                       for i, (_, writer) in enumerate(pipes)]
         for p in self.procs:
             p.start()
@@ -356,9 +355,9 @@ class ReplicaPool:
 
     def __init__(self, model: str = "tinylab", num_replicas: int = 2, router: str | Router = "least_outstanding",
                  *, in_process: bool = False, dtype: str = "float32",
-                 attention_backend: str = DEFAULT_ATTENTION_BACKEND, num_threads: int = 1,
+                 speed: str | None = None, num_threads: int = 1,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S, **engine_options):
-        config = engine_config(model, dtype, attention_backend, num_threads, **engine_options)  # checks them all
+        config = engine_config(model, dtype, speed, num_threads, **engine_options)  # checks them all
         self.router = _as_router(router, num_replicas, config.cache.block_size)
         self.num_replicas, self.in_process = num_replicas, in_process
         self.tokenizer, self.max_model_len, self.vocab_size, engines = _load(model, dtype, config, num_replicas,
@@ -367,7 +366,7 @@ class ReplicaPool:
             self._backend = _InProcess([ReplicaWorker(i, e) for i, e in enumerate(engines)])
         else:
             options = {**engine_options, "num_threads": num_threads}
-            self._backend = _Processes(num_replicas, model, dtype, attention_backend, options, startup_timeout_s)
+            self._backend = _Processes(num_replicas, model, dtype, speed, options, startup_timeout_s)
         self._close = weakref.finalize(self, self._backend.close)  # at shutdown(), garbage collection or exit
         self._pending: dict[str, int] = {}  # request id -> replica, for every request in flight
         self._wanted: dict[str, int] = {}  # request id -> index in the current generate call's prompts

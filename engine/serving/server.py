@@ -6,7 +6,7 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's request and response shapes; with
 "stream": true, server-sent events), POST /v1/requests/{request_id}/cancel (below), GET /v1/models, /health
-and /metrics (Prometheus text, vLLM's names).
+and /metrics (Prometheus text in vLLM's names: engine/serving/prometheus.py).
 
 A request's way through the server, one direction only:
 
@@ -76,16 +76,14 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
 from engine.serving.admission import Admission, AdmissionLimits, Rejected
 from engine.serving.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
-from engine.llm_engine import LLMEngine
-from engine.companions.metrics import VLLM_NAMES, RequestTiming, prefix_cache_stats, request_observations
-from engine.sampling import SamplingParams
-from engine.trace import StepReport, Trace
+from engine.serving.prometheus import ServerMetrics
 
 # 1 MiB: about 250k tokens of English text, far more than any context we serve. A bigger body is refused
 # (413) before it is read, so one huge upload cannot fill the server's memory.
@@ -198,97 +196,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
 
 
-# ---- Prometheus /metrics with vLLM's names -------------------------------------------------------------
-
-# vLLM's histogram buckets (seconds), with finer ones in front: a small model on a CPU answers in milliseconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-HISTOGRAMS = {  # RequestTiming quantity (engine/companions/metrics.py) -> (help, buckets)
-    "ttft_s": ("Time to first token (arrival -> first token), seconds.", TTFT_BUCKETS),
-    "itl_s": ("Inter-token latency (the gap before each token after the first), seconds.", TOKEN_GAP_BUCKETS),
-    "tpot_s": ("Time per output token after the first, per request, seconds.", TOKEN_GAP_BUCKETS),
-    "e2e_s": ("End-to-end request latency (arrival -> finish), seconds.", REQUEST_BUCKETS),
-    "queue_s": ("Time spent waiting before first scheduled, seconds.", REQUEST_BUCKETS),
-    "prompt_tokens": ("Prompt tokens per request.", TOKEN_COUNT_BUCKETS),
-    "output_tokens": ("Generated tokens per request.", TOKEN_COUNT_BUCKETS),
-}
-
-
-class ServerMetrics:
-    """The server's Prometheus metrics, in a registry of its own (two servers in one process never mix).
-
-    Per-request histograms are fed by `on_finish` with each finished sequence's `RequestTiming`, so every
-    latency comes from `engine.companions.metrics` (`request_observations`); token and prefix-cache counters by
-    `on_step` from each `StepReport`; the gauges (running, waiting, KV usage) are read at scrape time."""
-
-    def __init__(self, model_name: str):
-        self.registry = registry = CollectorRegistry()
-        label = {"model_name": model_name}
-
-        def make(kind, name, doc, **kw):
-            return kind(name, doc, ["model_name"], registry=registry, **kw).labels(**label)
-
-        self.histograms = {key: make(Histogram, VLLM_NAMES[key], doc, buckets=buckets)
-                           for key, (doc, buckets) in HISTOGRAMS.items()}
-        self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Prompt tokens of the requests served.")
-        self.generation_tokens = make(Counter, "vllm:generation_tokens", "Tokens generated.")
-        self.prefix_queries = make(Counter, VLLM_NAMES["prefix_cache_queries"],
-                                   "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = make(Counter, VLLM_NAMES["prefix_cache_hits"], "Of those, tokens found cached.")
-        self.preemptions = make(Counter, VLLM_NAMES["preemptions"], "Preemptions (recompute or swap).")
-        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                               ["model_name", "finished_reason"], registry=registry)
-        self.rejections = Counter("vllm:admission_rejections", "Requests turned away at the door, by reason "
-                                  "(engine/serving/admission.py).", ["model_name", "reason"], registry=registry)
-        self.aborts = Counter("vllm:request_aborts", "Requests aborted before they finished, by reason "
-                              "(queue_timeout, request_timeout, client_disconnect, cancelled).",
-                              ["model_name", "reason"], registry=registry)
-        self.running = make(Gauge, "vllm:num_requests_running", "Sequences holding KV blocks (running).")
-        self.waiting = make(Gauge, "vllm:num_requests_waiting", "Sequences waiting for a seat.")
-        self.swapped = make(Gauge, "vllm:num_requests_swapped", "Sequences swapped out to the CPU pool.")
-        self.kv_usage = make(Gauge, "vllm:kv_cache_usage_perc", "KV blocks in use, as a fraction (1 = full).")
-        self.model_name = model_name
-
-    def on_step(self, report: StepReport) -> None:
-        self.generation_tokens.inc(sum(s.tokens_out for s in report.scheduled))
-        stats = prefix_cache_stats(Trace(steps=[report]))
-        self.prefix_queries.inc(stats.queries)
-        self.prefix_hits.inc(stats.hits)
-        self.preemptions.inc(sum(e.get("type") == "preempted" for e in report.events))
-
-    def on_abort(self, request_id: str, reason: str) -> None:
-        self.aborts.labels(self.model_name, reason).inc()
-
-    def on_reject(self, reason: str) -> None:
-        self.rejections.labels(self.model_name, reason).inc()
-
-    def on_finish(self, timing: RequestTiming, sample_index: int) -> None:
-        for key, values in request_observations(timing).items():
-            if key == "prompt_tokens" and sample_index > 0:
-                continue  # one prompt, n samples: counted once
-            for v in values:
-                self.histograms[key].observe(v)
-        if sample_index == 0 and timing.output_tokens > 0:  # its prompt was prefilled
-            self.prompt_tokens.inc(timing.prompt_tokens)
-        self.success.labels(self.model_name, timing.finish_reason or "unknown").inc()
-
-    def set_gauges(self, engine: LLMEngine) -> None:
-        """On the engine thread, between two steps: the queues and the pool as they are now."""
-        s, usage = engine.scheduler, engine.block_manager.usage()
-        self.running.set(len(s.running))
-        self.waiting.set(len(s.waiting))
-        self.swapped.set(len(s.swapped))
-        self.kv_usage.set(usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
-
 # ---- the server -----------------------------------------------------------------------------------------
 
 
@@ -320,9 +227,7 @@ class OpenAIServer:
                                             "max_model_len": self.max_model_len}]}
 
     async def metrics_text(self) -> Response:
-        if self.front.is_running:
-            await self.front.run(self.metrics.set_gauges)
-        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return await self.metrics.scrape(self.front)  # engine/serving/prometheus.py
 
     # ---- POST endpoints ---------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

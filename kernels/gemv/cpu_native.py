@@ -1,11 +1,12 @@
-"""The C matrix-vector product (cpu_native.c) through ctypes: y [M, N] = x [M, K] @ W [N, K]^T (+ bias).
+"""The C matrix-vector product (cpu_native.c) via ctypes: y [M, N] = x [M, K] @ W [N, K]^T (+ b).
 
-    y = gemv_native(x, weight, bias)      # x [M <= 2, K] fp32; weight fp32 or bf16 [N, K]; y fp32 [M, N]
+    y = gemv_native(x, weight, bias)   # x fp32 [M <= GEMV_MAX_ROWS, K]; weight fp32 or bf16 [N, K]
 
-Why it exists: at decode time a linear layer only streams its weight, and torch's matmuls for one row of x
-left a third of the memory bandwidth unused (measured on an AMD EPYC with AVX-512, 2 threads, SmolLM2's MLP
-shapes: fp32 28 GB/s here against 21 for the column-block bmm of engine/fast/packed_linear.py, bf16 weights 20 GB/s
-against 13 for F.linear). The weight is read as nn.Linear stores it, so no second copy is needed.
+Why it exists: at decode time a linear layer only streams its weight (reference.py counts the
+bytes), and torch's matmuls for a few rows of x left part of the memory bandwidth unused; this
+kernel streams W once for up to 16 rows. The weight is read as nn.Linear stores it, so no second
+copy is needed. Its bandwidth against torch's, and on which machine: kernels/README.md, "Measured".
+The oracle is ``gemv_ref`` (reference.py), tested in tests/test_gemv_native.py.
 
 Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels).
 """

@@ -5,8 +5,9 @@
     rope_native_(x, cos, sin, heads)             # x [T, >= heads * D] rotated in place; cos, sin [T, D]
     ids = argmax_rows_native(logits)             # logits [R, V] fp32 or bf16 -> [R] int64, torch.argmax's rules
 
-Each equals its PyTorch twin in engine/model.py (fp32: exactly but for RMSNorm's summation order; bf16: every
-intermediate rounded where torch rounds it). Compiled on first use (kernels/toolchain.py).
+Each equals its reference in reference.py, the PyTorch of engine/model.py (fp32: exactly but for
+RMSNorm's summation order; bf16: every intermediate rounded where torch rounds it). Compiled on
+first use (kernels/toolchain.py).
 """
 
 from __future__ import annotations

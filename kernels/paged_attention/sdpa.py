@@ -3,8 +3,8 @@
 The reference (``reference.py``) is written to be read: for every sequence it follows the block table,
 copies that sequence's K/V out of the pool, repeats the KV heads for GQA and does the softmax in fp32,
 one sequence at a time, in Python. In a decode step of 16 sequences and 30 layers that is 480 small
-gathers and 480 small attentions, and on a CPU it was about half of the step's time (measured on
-SmolLM2-135M, 16 sequences of ~220 tokens: 530 of 1,100 ms).
+gathers and 480 small attentions, and on a CPU it was about half of the step's time
+(kernels/README.md, "Measured", has the numbers and the machine).
 
 Here the whole batch goes at once:
 
@@ -21,9 +21,9 @@ Steps 1's index and 2's mask depend only on the block tables and lengths, which 
 layers of a step. So the work is cut in two: ``plan_decode`` / ``plan_prefill`` check the tables and
 build the gather index and the mask ONCE per step (a ``DecodePlan`` / ``PrefillPlan``), and
 ``decode_planned`` / ``prefill_planned`` run each layer with nothing left to check or build: a gather, a
-fused attention. The engine (engine/runner.py) plans at its first layer; the public functions below do
-both halves at once. On SmolLM2-135M (30 layers, one sequence of ~110 tokens, one thread) checking and
-planning in every layer had cost more than the attention itself: ~1.3 ms per layer.
+fused attention. The engine (engine/fast/attention.py) plans at its first layer; the public
+functions below do both halves at once. Checking and planning in every layer had cost more than the
+attention itself (kernels/README.md, "Measured").
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _gather(pool, scale, blocks, batch: int):
     """K (or V) of the pool blocks ``blocks`` [B * C], as [B, L, Hkv, D] with L = C * BS, dequantized to fp32
     when ``scale`` (int8) is given."""
     _, BS, Hkv, D = pool.shape
-    # index_select on dim 0 copies whole blocks: ~3x faster than pool[cols] on a CPU
+    # index_select on dim 0 copies whole blocks: faster than pool[cols] on a CPU (kernels/README.md)
     x = pool.index_select(0, blocks).reshape(batch, -1, Hkv, D)  # a fresh copy: ours to change in place
     if scale is not None:
         x = x.float() * scale.index_select(0, blocks).reshape(batch, -1, Hkv)[..., None]
@@ -97,8 +97,8 @@ def _attend(q, k, v, mask, scale, hidden=None):
 def _attend_causal(q, k, v, scale):
     """q [B, T, H, D], k/v [B, T, Hkv, D], query i sees keys 0..i: SDPA's is_causal needs no mask at all, so
     torch runs its flash kernel (tiles with an online softmax, never the [T, T] score matrix). Its inputs are
-    made contiguous in [B, heads, T, D] first: on strided views the kernel ran 1.2-1.4x slower than the copy costs
-    (a few hundred tokens of SmolLM2's heads, 2 threads)."""
+    made contiguous in [B, heads, T, D] first: on strided views the kernel lost more time than the
+    copy costs (kernels/README.md, "Measured")."""
     heads_first = [t.to(q.dtype).transpose(1, 2).contiguous() for t in (q, k, v)]  # [B, H or Hkv, T, D]
     out = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)

@@ -9,21 +9,15 @@ by x rounded to int8 in blocks of 32 inputs (``round_activations``), with intege
 instructions, as llama.cpp does. Its numbers are exactly ``quant_matmul_ref(round_activations(x), qw)``
 up to the order of the float additions; the rounding of x is the one difference from the unrounded
 reference (a first try that converted every weight to a float and multiplied in fp32 was exact but
-compute-bound: 2.3 weights per cycle, a third of what the bytes allow).
+compute-bound, well short of what the bytes allow: kernels/README.md, "Measured").
 
 Rows of x: up to ``FUSED_MAX_ROWS`` go through the fused kernel (each weight row is read from memory once
 and reused from the L1 cache for every row of x). With more rows the work is a real GEMM, where a float
 matmul's blocking beats a dot-product loop: W is then dequantized once per call (in C, in parallel) and
-torch multiplies it by the same rounded x, so both paths keep one numerical contract. Measured on the
-machine this was written on (AMD EPYC, AVX2; the 210 decoder linears of SmolLM2-135M, so the weights
-stream from memory; 1 thread; ms, fused / dequantize + GEMM):
-
-    rows of x              1          4          8         16
-    fp32 F.linear         28         51         60         80
-    int8                 8.9 / 30  22.8 / 46  43.5 / 61  84 / 89
-    int4-g128 (64 at K=576) 9.2 / 37  30.9 / 55  57.0 / 71  112 / 96
-
-so the fused kernel runs up to 8 rows; from about 16 the GEMM path wins.
+torch multiplies it by the same rounded x, so both paths keep one numerical contract. The fused
+kernel's time grows with the rows of x (each row is more integer work per weight read) while the
+GEMM's barely does, so there is a crossover: ``FUSED_MAX_ROWS``, where it lay on the machine we
+measured (the table and the machine: kernels/README.md, "Measured").
 
 The library is compiled on first use (about a second; kept in ~/.cache/servelab/kernels) by
 kernels/toolchain.py; ``why_native_cannot_run`` says why when it cannot be.
@@ -44,7 +38,7 @@ from .reference import ACTIVATION_DTYPES, QuantizedWeight, check_activations, ch
 C_FILE = Path(__file__).with_name("cpu_native.c")
 BLOCK = 32  # inputs per activation scale and per inner step of the C kernel: K and G must be multiples of it
 QX_MAX = 127  # x rounds to -127..127 per block (as in the C file)
-FUSED_MAX_ROWS = 8  # more rows than this: dequantize once, then a float GEMM (measured crossover)
+FUSED_MAX_ROWS = 8  # more rows: dequantize once, then a float GEMM (crossover: kernels/README.md)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -101,7 +95,8 @@ def why_native_cannot_run(qw: QuantizedWeight, device: torch.device) -> str | No
 class NativeWeight:
     """What the C functions take for one weight, checked once (``prepare_native``): the weight (its tensors
     kept alive here) and the C arguments that never change, so that a call does no checking. A decode step
-    calls some 200 of these, so the Python on the way (~10 us a call) is a share of the step worth cutting."""
+    calls some 200 of these, so the Python on the way (microseconds a call) is a share of the step
+    worth cutting."""
 
     qw: QuantizedWeight
     n: int

@@ -7,7 +7,7 @@
 
 What we found by experiment in torch 2.13 (tests/test_quant_matmul.py keeps each one true):
 - x must be 2-D; x, the scales and the output share one dtype. They are FAST only with bfloat16 x:
-  with float32 x both ops fall onto a slow generic path (see the table), so we cast x to bf16 and
+  with float32 x both ops fall onto a slow generic path (kernels/README.md): we cast x to bf16 and
   the output back. That cast is the one numerical difference from the reference (bf16 has 8
   mantissa bits: about 3 significant digits per activation).
 - int4: G must be 32, 64, 128 or 256 and N a multiple of 16. torch's zero is not ours: it adds
@@ -16,17 +16,12 @@ What we found by experiment in torch 2.13 (tests/test_quant_matmul.py keeps each
 - int8: one scale per output channel only (no groups), and K a multiple of 8: K = 100 gave wrong
   numbers and K = 98 crashed the process, so we refuse such K before calling the op.
 
-Measured on the machine this was written on (AMD EPYC, AVX2 only: no avx512_bf16, no AMX; torch's
-CPU capability "AVX2"; one thread), a 4096 x 4096 layer, milliseconds (speed-up over fp32):
-
-    batch   fp32    bf16    int8+bf16 x   int8+fp32 x   int4 g128+bf16 x   int4+fp32 x
-      1     11.2    10.9    6.0 (1.9x)    45.3 (0.25x)   6.2 (1.8x)        62.9 (0.18x)
-     16     86.2   116.6   43.8 (2.0x)   793   (0.11x)  29.7 (2.9x)       953   (0.09x)
-
 At batch 1 a GEMV is bandwidth-bound, so int8 (1/4 of fp32's bytes) and int4 (1/8) "should" be 4x
-and 8x faster; on AVX2 the unpacking work keeps both near 2x. On CPUs with avx512_bf16 / AMX
-(`grep -o 'avx512_bf16\\|amx' /proc/cpuinfo`) the same ops use bf16 dot-product instructions and the
-issue reports 5x and 10x. ``benchmarks/`` measures it on the reader's machine.
+and 8x faster. On an AVX2-only CPU the unpacking work keeps both far short of that, and with fp32
+x they run slower than the plain fp32 matmul (the table and its machine: kernels/README.md,
+"Measured"). On CPUs with avx512_bf16 / AMX (`grep -o 'avx512_bf16\\|amx' /proc/cpuinfo`) the same
+ops use bf16 dot-product instructions (reported upstream as 5x and 10x; not measured here).
+benchmarks/quantization.py measures whole models per scheme on the reader's machine.
 """
 
 from __future__ import annotations
