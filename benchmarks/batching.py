@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 
 from benchmarks._common import REAL_MODEL, markdown_table, write_results  # noqa: E402
+from engine.companions.metrics import trace_summary  # noqa: E402
 from engine.lab.workloads import LengthDistribution, sample_request_lengths  # noqa: E402
 from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
-from engine.companions.metrics import trace_summary  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.trace import Trace  # noqa: E402
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from benchmarks._common import markdown_table, model_provenance, write_results  # noqa: E402
 from benchmarks.prefix_cache import cpu_simd_flags  # noqa: E402
-from engine.serving.bench_serve import benchmark, random_requests  # noqa: E402
 from engine.companions.metrics import SLO  # noqa: E402
+from engine.serving.bench_serve import benchmark, random_requests  # noqa: E402
 from engine.threads import use_threads  # noqa: E402
 from engine.viz.serving import KNEE_FRACTION, capacity_knee  # noqa: E402
 

@@ -2,7 +2,8 @@
 
 One process, same weights, same prompt, greedy, a fixed number of new tokens (EOS ignored):
 
-    (a) servelab-cached   engine.companions.kv_cache.generate_cached  (the readable model + contiguous KVCache, chapter 03)
+    (a) servelab-cached   engine.companions.kv_cache.generate_cached
+                          (the readable model + contiguous KVCache, chapter 03)
     (b) servelab-engine   engine.LLM.generate: the paged engine, its default sdpa backend and packed weights
     (c) transformers      AutoModelForCausalLM.generate(use_cache=True, do_sample=False)
 
@@ -48,12 +49,12 @@ from benchmarks._common import (  # noqa: E402
     write_results,
 )
 from engine import load_model  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
 from engine.companions.kv_cache import generate_cached  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loading.loader import bundled_model_path, read_config  # noqa: E402
 from engine.companions.memory import dtype_bytes  # noqa: E402
 from engine.companions.roofline import MachineRoofline, calibrate, decode_roofline_tokens_per_s  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.loading.loader import bundled_model_path, read_config  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 PROMPT_TOKENS = 64  # long enough that TTFT is a real prefill, short enough to keep decode the story

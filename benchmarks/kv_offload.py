@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from benchmarks._common import REAL_MODEL, markdown_table, model_provenance, write_results  # noqa: E402
 from benchmarks.prefix_cache import cpu_simd_flags  # noqa: E402
-from engine.kv.block_manager import BlockMove  # noqa: E402
-from engine.config import MODEL_PRESETS  # noqa: E402
-from engine.kv.kv_pool import PagedKVPool  # noqa: E402
-from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.companions.metrics import nearest_rank, requests_from_trace  # noqa: E402
 from engine.companions.roofline import calibrate  # noqa: E402
+from engine.config import MODEL_PRESETS  # noqa: E402
+from engine.kv.block_manager import BlockMove  # noqa: E402
+from engine.kv.kv_pool import PagedKVPool  # noqa: E402
+from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.threads import use_threads  # noqa: E402
 from engine.viz.offload import moves_per_step, recompute_cost  # noqa: E402
@@ -281,8 +281,8 @@ def _notes() -> str:
 def _break_even_notes() -> str:
     return ("Per KV block (BS = 16 tokens): copying it host -> device against prefilling it again. Roofline: "
             "reload = block bytes / link bandwidth, recompute = the document's prefill FLOPs / its blocks / peak "
-            "FLOP/s (engine/companions/roofline.py; attention counted as a dense kernel does). On this CPU the link is a "
-            "RAM copy (calibrate()'s bandwidth / 2, since it counts read and write) and the peak an fp32 "
+            "FLOP/s (engine/companions/roofline.py; attention counted as a dense kernel does). On this CPU "
+            "the link is a RAM copy (calibrate()'s bandwidth / 2, since it counts read and write) and the peak an fp32 "
             "matmul; measured: apply_moves with reloads only (median; one block alone, and per block of a "
             "whole document's run) and the engine's prefill of one document / its blocks. Copying loses when "
             "machine_flops_per_link_byte > model_flops_per_kv_byte. The H200 rows use published numbers "

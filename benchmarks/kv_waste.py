@@ -21,7 +21,6 @@ import math
 import random
 
 from _common import write_results  # imported first: it puts the repo root on sys.path
-
 from engine.kv.block_manager import BlockManager, NoFreeBlocksError
 
 SEED = 0

@@ -49,8 +49,8 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks._common import REPO_ROOT, RESULTS_DIR, write_results  # noqa: E402
-from engine.serving.bench_serve import arrival_offsets, payload, random_requests  # noqa: E402
 from engine.companions.metrics import SLO, RequestTiming, nearest_rank  # noqa: E402
+from engine.serving.bench_serve import arrival_offsets, payload, random_requests  # noqa: E402
 
 MODEL = "tinylab"
 INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 64, 32, 0.5  # the capacity curve's workload, so the two compare

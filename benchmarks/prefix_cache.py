@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 from benchmarks._common import REAL_MODEL, markdown_table, write_results  # noqa: E402
 from benchmarks.batching import median_row, replay  # noqa: E402
-from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.companions.metrics import prefix_cache_stats, trace_summary  # noqa: E402
+from engine.llm_engine import LLMEngine, engine_config  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 SYSTEM_TOKENS = {"tinylab": 448, REAL_MODEL: 512}  # tinylab's context is 512: its system prompt is shortened

@@ -62,8 +62,8 @@ from benchmarks._peers import (  # noqa: E402
     time_transformers,
 )
 from engine.companions.kv_cache import KVCache, forward_with_cache, generate_cached  # noqa: E402
-from engine.llm import LLM  # noqa: E402
 from engine.fast.packed_linear import pack_linears  # noqa: E402
+from engine.llm import LLM  # noqa: E402
 from engine.loading.quantization import quantize_lm_head, quantize_model, set_backend, weight_bytes_breakdown  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
@@ -456,9 +456,10 @@ NOTES = """
 Decode and prefill tokens per second of SmolLM2-135M-Instruct per weight scheme, servelab at the batches
 in Settings, the peers at batch 1 (transformers on the same converted folder, llama.cpp on the same GGUF file), on the
 same random token ids, greedy (x_*: ratios to the faster of servelab's two fp32 rows, as loaded or packed, and
-likewise bf16, at the same batch). decode_tok_s times the readable cached loop (engine/companions/kv_cache.py) that every
-scheme shares; engine_decode_tok_s times batch-1 decode steps through the engine itself (LLMEngine.step, what
-LLM.generate runs: paged KV read by the C decode-attention kernel, q/k/v and gate/up fused into one matmul each,
+likewise bf16, at the same batch). decode_tok_s times the readable cached loop
+(engine/companions/kv_cache.py) that every scheme shares; engine_decode_tok_s times batch-1 decode steps
+through the engine itself (LLMEngine.step, what LLM.generate runs: paged KV read by the C decode-attention
+kernel, q/k/v and gate/up fused into one matmul each,
 fp32/bf16 linears packed, whatever the row), the path a user runs, all schemes' engines stepping in turn. Every
 engine runs with the same number of threads. At batch 1 the LM head is the largest matrix a decode step reads (SmolLM2:
 49,152 x 576, 108 MiB in fp32): int4 decoder linears alone leave it, so the native rows also read it as

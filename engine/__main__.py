@@ -1,4 +1,5 @@
-"""Command line: `python -m engine generate|chat|eval|demo|kv-size|train-tinylab ...` (see --help)."""
+"""Command line: `python -m engine generate|chat|eval|demo|kv-size|train-tinylab ...`
+(see --help)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import time
 
 import torch
 
-# What a user's bad input raises (a wrong option, a broken model folder or file, an unknown name); anything
-# else is a bug in servelab and keeps its traceback.
+# What a user's bad input raises (a wrong option, a broken model folder or file, an unknown name);
+# anything else is a bug in servelab and keeps its traceback.
 CLI_ERRORS = (ValueError, TypeError, KeyError, OSError)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPEEDS = ("reference", "fast")  # engine/config.py's SPEEDS (not imported: --help stays quick)
-SPEED_HELP = ("reference: the readable path only (Python layers, reference attention); fast: the fast wing "
-              "(engine/fast/), the default")
+SPEED_HELP = ("reference: the readable path only (Python layers, reference attention); "
+              "fast: the fast wing (engine/fast/), the default")
 
 
 def print_speed(engine) -> None:
-    """One line per choice the engine's speed made, with its reason (stderr: the text stays clean)."""
+    """One line per choice the engine's speed made, with its reason
+    (stderr: the text stays clean)."""
     for name, choice in engine.acceleration.choices.items():
         print(f"[{name}: {choice}]", file=sys.stderr, flush=True)
 
@@ -30,12 +32,13 @@ def cmd_generate(args) -> None:
 
 
 def cmd_generate_loop(args) -> None:
-    """generate without the paged engine: chapter 03's contiguous-cache loop, or chapter 01's naive one."""
+    """generate without the paged engine: chapter 03's contiguous-cache loop,
+    or chapter 01's naive one."""
 
 
     from engine.companions.kv_cache import generate_cached
-    from engine.loading.loader import load_model
     from engine.companions.naive import generate_naive
+    from engine.loading.loader import load_model
     from engine.sampling import SamplingParams
     from engine.threads import check_num_threads, default_num_threads, torch_threads
     from engine.tokenizer import encode_prompt
@@ -43,8 +46,10 @@ def cmd_generate_loop(args) -> None:
     model, tok = load_model(args.model, dtype=DTYPES[args.dtype])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    ids = encode_prompt(args.prompt, tok, model.config.max_position_embeddings)  # errors before any output
-    threads = default_num_threads(model.config.num_params()) if args.threads is None else args.threads
+    # errors before any output
+    ids = encode_prompt(args.prompt, tok, model.config.max_position_embeddings)
+    threads = (default_num_threads(model.config.num_params()) if args.threads is None
+               else args.threads)
     check_num_threads(threads)
     run = generate_naive if args.no_cache else generate_cached
     print(args.prompt, end="", flush=True)
@@ -56,14 +61,16 @@ def cmd_generate_loop(args) -> None:
 
 
 def cmd_generate_engine(args) -> None:
-    """generate through the paged engine at --speed, split over processes with --tensor/pipeline-parallel-size
-    (chapter 08): the whole text at the end."""
+    """generate through the paged engine at --speed, split over processes with
+    --tensor/pipeline-parallel-size (chapter 08): the whole text at the end."""
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
     if args.no_cache:
-        raise ValueError("--no-cache runs chapter 01's loop, which has no --speed or parallel split; drop one")
-    llm = LLM(args.model, dtype=args.dtype, speed=args.speed, tensor_parallel_size=args.tensor_parallel_size,
+        raise ValueError("--no-cache runs chapter 01's loop, which has no --speed or parallel "
+                         "split; drop one")
+    llm = LLM(args.model, dtype=args.dtype, speed=args.speed,
+              tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, num_threads=args.threads)
     print_speed(llm.engine)
     try:
@@ -75,8 +82,9 @@ def cmd_generate_engine(args) -> None:
         print(args.prompt + out.text)
         moved = "" if stats is None else "; rank 0 moved: " + ", ".join(
             f"{kind} {nbytes / 1e6:.2f} MB" for kind, nbytes in stats.bytes.items() if nbytes)
-        print(f"\n[finish_reason={out.finish_reason}  tokens={len(out.token_ids)}  {seconds:.2f} s  "
-              f"speed={llm.engine.config.speed}  TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}, "
+        print(f"\n[finish_reason={out.finish_reason}  tokens={len(out.token_ids)}  "
+              f"{seconds:.2f} s  speed={llm.engine.config.speed}  "
+              f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}, "
               f"{llm.engine.num_threads} torch thread(s) per rank{moved}]")
     finally:
         llm.engine.shutdown()
@@ -92,7 +100,8 @@ def cmd_eval(args) -> None:
     bytes_line = _quantize_for_eval(model, tok, args)
     names = tuple(args.tasks.split(",")) if args.tasks else tasks.TASKS
     start = time.perf_counter()
-    rows = evaluate_model(model, tok, names, n=args.n, window=args.window, kv_cache_dtype=args.kv_cache_dtype)
+    rows = evaluate_model(model, tok, names, n=args.n, window=args.window,
+                          kv_cache_dtype=args.kv_cache_dtype)
     print(tasks.format_table(rows))
     print(f"\n{args.model}: {args.n} examples per task in {time.perf_counter() - start:.0f} s")
     print(bytes_line)
@@ -123,18 +132,21 @@ def _quantize_for_eval(model, tok, args) -> str:
         calibration = None
         if get_scheme(args.quant).method == "gptq":
             c = EVAL_CALIBRATION
-            ids = [i for text in training_corpus(n_examples=c["documents"]) for i in tok.encode(text)]
+            ids = [i for text in training_corpus(n_examples=c["documents"])
+                   for i in tok.encode(text)]
             calibration = calibration_batches(ids, c["batch_size"], c["seq_len"])[: c["batches"]]
-        with warnings.catch_warnings():  # e.g. smaller groups where G does not divide K: said once, below
+        # e.g. smaller groups where G does not divide K: said once, below
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             quantize_model(model, args.quant, calibration=calibration, backend=args.quant_backend)
-    if args.quant_head and args.quant not in (None, "gguf"):  # "gguf" keeps the file's own head blocks
+    # "gguf" keeps the file's own head blocks
+    if args.quant_head and args.quant not in (None, "gguf"):
         quantize_lm_head(model, backend=args.quant_backend)
     parts = weight_bytes_breakdown(model)
     detail = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items() if v)
     scheme = args.quant or f"none ({args.dtype})"
-    return (f"weights: {sum(parts.values()) / 2**20:.2f} MiB with --quant {scheme} (MiB: {detail}); "
-            f"{before / 2**20:.2f} MiB as loaded")
+    return (f"weights: {sum(parts.values()) / 2**20:.2f} MiB with --quant {scheme} "
+            f"(MiB: {detail}); {before / 2**20:.2f} MiB as loaded")
 
 
 def cmd_demo(args) -> None:
@@ -144,8 +156,8 @@ def cmd_demo(args) -> None:
 
 
 def cmd_kv_size(args) -> None:
-    from engine.config import MODEL_PRESETS
     from engine.companions.memory import dtype_bytes, kv_cache_bytes
+    from engine.config import MODEL_PRESETS
 
     if args.preset not in MODEL_PRESETS:
         sys.exit(f"unknown --preset {args.preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
@@ -162,17 +174,19 @@ def cmd_train(args) -> None:
     from engine.lab.training import RECIPES, TrainConfig, train
 
     flags = {"total_tokens": args.tokens, "recall_drills": args.recall_drills, "lr": args.lr,
-             "tokenizer_path": args.tokenizer, "probe_every": args.probe_every, "max_minutes": args.max_minutes,
-             "stop_step": args.stop_step}
-    cfg = TrainConfig(**{**RECIPES[args.recipe], **{k: v for k, v in flags.items() if v is not None}})
+             "tokenizer_path": args.tokenizer, "probe_every": args.probe_every,
+             "max_minutes": args.max_minutes, "stop_step": args.stop_step}
+    cfg = TrainConfig(**{**RECIPES[args.recipe],
+                         **{k: v for k, v in flags.items() if v is not None}})
     resume = Path(args.resume_from) if args.resume_from else None
     log = train(cfg, Path(args.out), resume_from=resume, start_step=args.start_step)
-    print(f"trained in {log['train_seconds']:.0f} s; final loss {log['loss'][-1]:.3f}; saved to {args.out}")
+    print(f"trained in {log['train_seconds']:.0f} s; final loss {log['loss'][-1]:.3f}; "
+          f"saved to {args.out}")
 
 
 def stream_reply(engine, messages: list[dict], params, write) -> dict:
-    """Answer the conversation `messages` on `engine`, calling `write(delta)` with the text of each step
-    as it is generated; returns {"text", "tokens", "ttft_s", "tok_per_s", "finish_reason"}."""
+    """Answer the conversation `messages` on `engine`, calling `write(delta)` with the text of each
+    step as it is generated; returns {"text", "tokens", "ttft_s", "tok_per_s", "finish_reason"}."""
     tok = engine.tokenizer
     prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     req = engine.get_request(engine.add_request(prompt_ids, params))
@@ -190,7 +204,8 @@ def stream_reply(engine, messages: list[dict], params, write) -> dict:
 
 
 def cmd_chat(args) -> None:
-    """An interactive chat, one line of stdin per user turn (so a test can drive it through a pipe)."""
+    """An interactive chat, one line of stdin per user turn
+    (so a test can drive it through a pipe)."""
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
 
@@ -198,8 +213,8 @@ def cmd_chat(args) -> None:
     print_speed(engine)
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer.json; chat needs text in and out")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                            seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed)
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     print(f"chatting with {args.model}; /reset starts over, /quit (or Ctrl-D) ends", flush=True)
@@ -218,26 +233,29 @@ def cmd_chat(args) -> None:
         history.append({"role": "user", "content": text})
         try:
             r = stream_reply(engine, history, params, lambda s: print(s, end="", flush=True))
-        except ValueError as err:  # e.g. the conversation outgrew the context: say so, keep the session
+        except ValueError as err:
+            # e.g. the conversation outgrew the context: say so, keep the session
             history.pop()
             print(f"[error: {err}; /reset starts over]", flush=True)
             continue
         history.append({"role": "assistant", "content": r["text"]})
-        print(f"\n[TTFT {r['ttft_s'] * 1e3:.0f} ms | {r['tokens']} tokens | {r['tok_per_s']:.1f} tok/s | "
-              f"{r['finish_reason']}]", flush=True)
+        print(f"\n[TTFT {r['ttft_s'] * 1e3:.0f} ms | {r['tokens']} tokens | "
+              f"{r['tok_per_s']:.1f} tok/s | {r['finish_reason']}]", flush=True)
 
 
 def cmd_serve(args) -> None:
+    from engine.llm_engine import LLMEngine
     from engine.serving.admission import api_keys_from_args, limits_from_args
     from engine.serving.dashboard import attach_dashboard
-    from engine.llm_engine import LLMEngine
     from engine.serving.server import build_app, serve
 
-    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+    options = {"max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens,
                "enable_chunked_prefill": args.enable_chunked_prefill, "block_size": args.block_size,
                "enable_prefix_caching": args.enable_prefix_caching,
                "default_tenant_max_running": args.tenant_max_running}
-    limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)  # bad flags: before loading
+    # bad flags: before loading
+    limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)
     engine = LLMEngine.from_pretrained(args.model, args.dtype, speed=args.speed,
                                        **{k: v for k, v in options.items() if v is not None})
     print_speed(engine)
@@ -254,7 +272,8 @@ def cmd_dashboard(args) -> None:
 
     app, player = replay_app(Trace.load(args.replay), speed=args.speed)
     player.start()
-    print(f"replaying {args.replay} at {args.speed:g}x: open http://{args.host}:{args.port}/dashboard", flush=True)
+    print(f"replaying {args.replay} at {args.speed:g}x: "
+          f"open http://{args.host}:{args.port}/dashboard", flush=True)
     serve(app, args.host, args.port)
 
 
@@ -274,8 +293,10 @@ def _add_serve_parsers(sub) -> None:
     """`serve` and `bench serve` (chapter 09), with vLLM's flag names."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming, /metrics)")
     s.add_argument("--model", default="tinylab")
-    s.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    s.add_argument("--host", default="127.0.0.1", help="0.0.0.0 lets other machines (a classroom) in")
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients use (default: --model)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="0.0.0.0 lets other machines (a classroom) in")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dtype", default="float32", choices=DTYPES)
     s.add_argument("--speed", default=None, choices=SPEEDS, help=SPEED_HELP)
@@ -284,7 +305,8 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument("--enable-chunked-prefill", action="store_true", default=None)
     s.add_argument("--enable-prefix-caching", action="store_true", default=None)
     s.add_argument("--block-size", type=int, default=None)
-    s.add_argument("--no-dashboard", action="store_true", help="do not serve the classroom page /dashboard")
+    s.add_argument("--no-dashboard", action="store_true",
+                   help="do not serve the classroom page /dashboard")
     s.add_argument("--tenant-max-running", type=int, default=None,
                    help="the scheduler's per-tenant quota of running requests (chapter 05)")
     from engine.serving.admission import add_arguments as add_admission_arguments
@@ -295,7 +317,8 @@ def _add_serve_parsers(sub) -> None:
 
     b = sub.add_parser("bench", help="benchmarks: `bench serve` loads a running server like vLLM's")
     bench = b.add_subparsers(dest="bench_command", required=True)
-    bs = bench.add_parser("serve", help="send a workload to a server and report TTFT/TPOT/ITL/E2E/goodput")
+    bs = bench.add_parser("serve",
+                          help="send a workload to a server and report TTFT/TPOT/ITL/E2E/goodput")
     add_arguments(bs)
     bs.set_defaults(func=cmd_bench_serve)
 
@@ -307,7 +330,8 @@ def _quant_schemes() -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine", description="servelab: a step-through LLM engine")
+    p = argparse.ArgumentParser(prog="python -m engine",
+                                description="servelab: a step-through LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion to the terminal")
     g.add_argument("prompt")
@@ -320,36 +344,43 @@ def main(argv=None) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-cache", action="store_true", help="use chapter 01's naive loop")
     g.add_argument("--speed", default=None, choices=SPEEDS,
-                   help="run the paged engine at this speed (" + SPEED_HELP + "); without it, chapter 03's "
-                   "contiguous-cache loop")
+                   help="run the paged engine at this speed (" + SPEED_HELP + "); without it, "
+                   "chapter 03's contiguous-cache loop")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 for small models, see engine/threads.py)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split every layer over this many processes (chapter 08; or start it under torchrun)")
+                   help="split every layer over this many processes (chapter 08; or start it "
+                        "under torchrun)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="split the layers into this many stages, one process each (chapter 08)")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser("eval", help="evaluate a model on the task suite")
     e.add_argument("--model", default="tinylab")
     e.add_argument("--dtype", default="float32", choices=DTYPES)
-    e.add_argument("--tasks", default=None, help="comma-separated subset of arith,recall,json,refuse,story")
+    e.add_argument("--tasks", default=None,
+                   help="comma-separated subset of arith,recall,json,refuse,story")
     e.add_argument("--n", type=int, default=100)
-    e.add_argument("--window", type=int, default=None, help="sliding-window KV cache of this many tokens")
+    e.add_argument("--window", type=int, default=None,
+                   help="sliding-window KV cache of this many tokens")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="int8: generate through the paged engine with int8 K/V (chapter 07)")
     e.add_argument("--quant", default=None, choices=[*_quant_schemes(), "gguf"],
-                   help="quantize the decoder linears first (chapter 07); gguf: keep a GGUF model's own blocks")
-    e.add_argument("--quant-backend", default="torch", choices=["torch", "packed", "native", "triton", "cuda"],
-                   help="the quantized matmul kernel (packed: torch's int8/int4 CPU ops, bf16 inside; native: "
-                        "our C kernel, x rounded to int8 per 32 inputs)")
+                   help="quantize the decoder linears first (chapter 07); "
+                        "gguf: keep a GGUF model's own blocks")
+    e.add_argument("--quant-backend", default="torch",
+                   choices=["torch", "packed", "native", "triton", "cuda"],
+                   help="the quantized matmul kernel (packed: torch's int8/int4 CPU ops, bf16 "
+                        "inside; native: our C kernel, x rounded to int8 per 32 inputs)")
     e.add_argument("--quant-head", action="store_true",
-                   help="with --quant: the LM head in int8 too (groups of 32; the embedding stays float)")
+                   help="with --quant: the LM head in int8 too "
+                        "(groups of 32; the embedding stays float)")
     e.set_defaults(func=cmd_eval)
     d = sub.add_parser("demo", help="the classroom demo on the bundled model")
     d.add_argument("--model", default="tinylab")
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--no-pause", action="store_true")
-    d.add_argument("--speed", default=None, choices=SPEEDS, help=SPEED_HELP + " (the engine parts of the demo)")
+    d.add_argument("--speed", default=None, choices=SPEEDS,
+                   help=SPEED_HELP + " (the engine parts of the demo)")
     d.set_defaults(func=cmd_demo)
     k = sub.add_parser("kv-size", help="the KV-cache memory formula for a model preset")
     k.add_argument("--preset", default="Llama-3-8B")
@@ -357,24 +388,34 @@ def main(argv=None) -> None:
     k.add_argument("--tokens", type=int, default=8192)
     k.add_argument("--dtype", default="fp16")
     k.set_defaults(func=cmd_kv_size)
-    t = sub.add_parser("train-tinylab", help="retrain the bundled model from scratch (about an hour)")
+    t = sub.add_parser("train-tinylab",
+                       help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
-    t.add_argument("--recipe", default="first", choices=["first", "lookup", "polish", "extend", "finish", "scratch"],
-                   help="first: the first tinylab's recipe; lookup: the lookup curriculum; polish: a short pass "
-                        "after lookup; extend: lookup continued from its step 2000; "
-                        "finish: extend continued from its step 3500; scratch: all of it in one recipe from random "
-                        "weights (engine/lab/training.py)")
-    t.add_argument("--tokens", type=int, default=None, help="training tokens (default: the recipe's)")
-    t.add_argument("--recall-drills", type=int, default=None, help="extra lookups per recall document")
-    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
-    t.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
-    t.add_argument("--probe-every", type=int, default=None, help="probe recall/arith/json every N steps")
-    t.add_argument("--max-minutes", type=float, default=None, help="stop and save after about this many minutes")
-    t.add_argument("--stop-step", type=int, default=None, help="stop and save once this many steps are done")
+    t.add_argument("--recipe", default="first",
+                   choices=["first", "lookup", "polish", "extend", "finish", "scratch"],
+                   help="first: the first tinylab's recipe; lookup: the lookup curriculum; "
+                        "polish: a short pass after lookup; extend: lookup continued from its "
+                        "step 2000; finish: extend continued from its step 3500; scratch: all "
+                        "of it in one recipe from random weights (engine/lab/training.py)")
+    t.add_argument("--tokens", type=int, default=None,
+                   help="training tokens (default: the recipe's)")
+    t.add_argument("--recall-drills", type=int, default=None,
+                   help="extra lookups per recall document")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: the recipe's)")
+    t.add_argument("--tokenizer", default=None,
+                   help="reuse this tokenizer.json instead of training one")
+    t.add_argument("--probe-every", type=int, default=None,
+                   help="probe recall/arith/json every N steps")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop and save after about this many minutes")
+    t.add_argument("--stop-step", type=int, default=None,
+                   help="stop and save once this many steps are done")
     t.add_argument("--resume-from", default=None, help="continue from a folder this command saved")
     t.add_argument("--start-step", type=int, default=0, help="the step that folder was saved at")
     t.set_defaults(func=cmd_train)
-    c = sub.add_parser("chat", help="chat in the terminal with a model (streams tokens; /reset, /quit)")
+    c = sub.add_parser("chat",
+                       help="chat in the terminal with a model (streams tokens; /reset, /quit)")
     c.add_argument("--model", default="smollm2-135m-instruct")
     c.add_argument("--system", default=None, help="a system message that starts every conversation")
     c.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -385,14 +426,18 @@ def main(argv=None) -> None:
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=cmd_chat)
     _add_serve_parsers(sub)
-    db = sub.add_parser("dashboard", help="the classroom dashboard replaying a saved Trace (chapter 10)")
+    db = sub.add_parser("dashboard",
+                        help="the classroom dashboard replaying a saved Trace (chapter 10)")
     db.add_argument("--replay", required=True, help="a Trace saved as JSON (Trace.save)")
-    db.add_argument("--speed", type=float, default=1.0, help="playback speed: 1 = real time, 10 = ten times faster")
+    db.add_argument("--speed", type=float, default=1.0,
+                    help="playback speed: 1 = real time, 10 = ten times faster")
     db.add_argument("--host", default="127.0.0.1")
     db.add_argument("--port", type=int, default=8000)
     db.set_defaults(func=cmd_dashboard)
-    dg = sub.add_parser("diagnose", help="walk the troubleshooting order on a saved Trace (chapter 10)")
-    dg.add_argument("trace", help="a Trace saved as JSON (Trace.save; python -m engine.lab.incidents)")
+    dg = sub.add_parser("diagnose",
+                        help="walk the troubleshooting order on a saved Trace (chapter 10)")
+    dg.add_argument("trace",
+                    help="a Trace saved as JSON (Trace.save; python -m engine.lab.incidents)")
     dg.set_defaults(func=cmd_diagnose)
     args = p.parse_args(argv)
     try:

@@ -3,8 +3,8 @@
 Every config is a plain dataclass with units in its field names and a `__post_init__` that checks
 each value and says what to change when it is wrong. `ModelConfig` is read from a Hugging Face
 `config.json`, or taken from `MODEL_PRESETS` (published models, for the arithmetic of
-engine/companions/memory.py and engine/companions/roofline.py); the others describe how the engine runs it (later
-chapters add fields).
+engine/companions/memory.py and engine/companions/roofline.py); the others describe how the engine
+runs it (later chapters add fields).
 """
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    name: str | None = None  # a label for tables and figures, e.g. a preset's name; the model ignores it
+    # a label for tables and figures, e.g. a preset's name; the model ignores it
+    name: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+            _require(isinstance(value, int) and value >= 1,
+                     f"{name} must be a positive integer, got {value!r}")
         if self.head_dim is None:
             _require(self.hidden_size % self.num_attention_heads == 0,
                      f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -79,11 +81,13 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             _require(kind in SUPPORTED_ROPE_TYPES,
-                     f"rope_scaling type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+                     f"rope_scaling type {kind!r} is not supported; "
+                     f"supported: {SUPPORTED_ROPE_TYPES}")
             if kind == "default":
                 self.rope_scaling = None
         if self.sliding_window is not None:
-            _require(self.sliding_window >= 1, f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+            _require(self.sliding_window >= 1,
+                     f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
     @property
     def gqa_group(self) -> int:
@@ -94,11 +98,13 @@ class ModelConfig:
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
             return []
-        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        return (list(self.eos_token_id) if isinstance(self.eos_token_id, list)
+                else [self.eos_token_id])
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        """Read a Hugging Face config.json (old `rope_theta`/`rope_scaling` or new `rope_parameters`)."""
+        """Read a Hugging Face config.json (old `rope_theta`/`rope_scaling` or new
+        `rope_parameters`)."""
         archs = d.get("architectures") or [_arch_from_model_type(d.get("model_type"))]
         arch = archs[0]
         _require(arch in SUPPORTED_ARCHITECTURES,
@@ -106,7 +112,8 @@ class ModelConfig:
                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = dict(d.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                            else None)
         attention_bias = bool(d.get("attention_bias", False))
         uses_window = d.get("use_sliding_window", arch == "MistralForCausalLM")
         return cls(
@@ -133,14 +140,17 @@ class ModelConfig:
         )
 
     def param_breakdown(self) -> dict[str, int]:
-        """Parameters by part; `num_params` and engine/companions/memory.py's byte counts both add these up.
+        """Parameters by part; `num_params` and engine/companions/memory.py's byte counts both add
+        these up.
 
-        Per layer: the q/k/v/o projections (and their biases), gate/up/down (and theirs), two RMSNorms.
+        Per layer: the q/k/v/o projections (and their biases), gate/up/down (and theirs), two
+        RMSNorms.
         """
         E, D, H, Hkv, F = (self.hidden_size, self.head_dim, self.num_attention_heads,
                            self.num_key_value_heads, self.intermediate_size)
         q_out, kv_out = H * D, Hkv * D
-        attention = E * q_out + 2 * E * kv_out + q_out * E  # Wq [E, H*D], Wk, Wv [E, Hkv*D], Wo [H*D, E]
+        # Wq [E, H*D], Wk, Wv [E, Hkv*D], Wo [H*D, E]
+        attention = E * q_out + 2 * E * kv_out + q_out * E
         attention += (q_out + 2 * kv_out) * self.qkv_bias + E * self.o_bias
         mlp = 3 * E * F + (2 * F + E) * self.mlp_bias  # gate, up [E, F], down [F, E]
         L, V = self.num_hidden_layers, self.vocab_size
@@ -153,7 +163,8 @@ class ModelConfig:
         }
 
     def num_params(self) -> int:
-        """Parameter count of the decoder (what a model card calls "8B"; embeddings once when tied)."""
+        """Parameter count of the decoder (what a model card calls "8B"; embeddings once when
+        tied)."""
         return sum(self.param_breakdown().values())
 
     def matmul_params(self) -> int:
@@ -169,7 +180,8 @@ class ModelConfig:
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    table = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    table = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM"}
     return table.get(model_type or "", f"<model_type {model_type!r}>")
 
 
@@ -177,9 +189,9 @@ def _arch_from_model_type(model_type: str | None) -> str:
 # the number was copied from (head_dim, where a config.json leaves it out, is hidden_size //
 # num_attention_heads, written here so every factor of the KV formula is in sight). Only the fields
 # that decide sizes are set (rope and norm settings keep our defaults): enough for every count in
-# engine/companions/memory.py and engine/companions/roofline.py, and to build the model on the `meta` device, not to load
-# its real weights. The configs are shared: change a copy (`dataclasses.replace(MODEL_PRESETS[name],
-# ...)`), never a preset in place.
+# engine/companions/memory.py and engine/companions/roofline.py, and to build the model on the
+# `meta` device, not to load its real weights. The configs are shared: change a copy
+# (`dataclasses.replace(MODEL_PRESETS[name], ...)`), never a preset in place.
 MODEL_PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
     # meta-llama/Llama-2-7b-hf: no GQA yet (num_key_value_heads == num_attention_heads).
     ModelConfig(name="Llama-2-7B", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -212,10 +224,10 @@ MODEL_PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
 
 
 # The KV budget when neither num_blocks nor kv_cache_memory_bytes is given. vLLM's CPU backend
-# sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB, 4 unless set); we read SERVELAB_KVCACHE_SPACE the
-# same way (engine/kv/kv_pool.py), but default to 1 GiB: servelab runs in notebooks on laptops, two test
-# workers may each hold an engine, and the pool is zero-filled up front. 1 GiB holds 23,000 tokens of
-# SmolLM2-135M in fp32 (almost 3 requests at its full 8192-token context).
+# sizes its KV cache by VLLM_CPU_KVCACHE_SPACE (GiB, 4 unless set); we read SERVELAB_KVCACHE_SPACE
+# the same way (engine/kv/kv_pool.py), but default to 1 GiB: servelab runs in notebooks on laptops,
+# two test workers may each hold an engine, and the pool is zero-filled up front. 1 GiB holds 23,000
+# tokens of SmolLM2-135M in fp32 (almost 3 requests at its full 8192-token context).
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 * 2**30
 KVCACHE_SPACE_ENV = "SERVELAB_KVCACHE_SPACE"
 
@@ -225,8 +237,9 @@ def _is_int(value) -> bool:
 
 
 KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's option name; "auto" stores K/V in the model's dtype
-# Which free-but-cached block the prefix cache gives up first when the device needs a block (engine/kv/evictor.py):
-# "lru" the least recently used (vLLM's), "fifo" the one cached first, however often it was hit since.
+# Which free-but-cached block the prefix cache gives up first when the device needs a block
+# (engine/kv/evictor.py): "lru" the least recently used (vLLM's), "fifo" the one cached first,
+# however often it was hit since.
 EVICTION_POLICIES = ("lru", "fifo")
 
 
@@ -244,17 +257,23 @@ class CacheConfig:
     num_blocks: int | None = None  # an exact count; None: sized by bytes (see above)
     kv_cache_memory_bytes: int | None = None  # KV budget in bytes; None: see above
     sliding_window: int | None = None
-    swap_space_blocks: int | None = None  # CPU-side pool for swap preemption; None: as many as num_blocks
-    enable_prefix_caching: bool = False  # chapter 06: share the full KV blocks of a cached prefix (vLLM's name)
-    kv_offload_blocks: int = 0  # host tier for evicted prefix-cache blocks (0: none); needs enable_prefix_caching
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": int8 K/V with per-token, per-head scales
+    # CPU-side pool for swap preemption; None: as many as num_blocks
+    swap_space_blocks: int | None = None
+    # chapter 06: share the full KV blocks of a cached prefix (vLLM's name)
+    enable_prefix_caching: bool = False
+    # host tier for evicted prefix-cache blocks (0: none); needs enable_prefix_caching
+    kv_offload_blocks: int = 0
+    # "auto": the model's dtype; "int8": int8 K/V with per-token, per-head scales
+    kv_cache_dtype: str = "auto"
     eviction_policy: str = "lru"  # which cached block is evicted first: one of EVICTION_POLICIES
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_prefix_caching, bool),
                  f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        _require(_is_int(self.block_size) and self.block_size >= 1 and math.log2(self.block_size).is_integer(),
-                 f"block_size must be a power-of-two integer (1, 2, 4, 8, 16, ...), got {self.block_size!r}")
+        _require(_is_int(self.block_size) and self.block_size >= 1
+                 and math.log2(self.block_size).is_integer(),
+                 f"block_size must be a power-of-two integer (1, 2, 4, 8, 16, ...), "
+                 f"got {self.block_size!r}")
         for name, low, none_means in (("num_blocks", 1, "size the cache by bytes"),
                                       ("kv_cache_memory_bytes", 1, "the default budget"),
                                       ("swap_space_blocks", 0, "as many as num_blocks"),
@@ -264,43 +283,54 @@ class CacheConfig:
             _require(value is None or (_is_int(value) and value >= low),
                      f"{name} must be an integer >= {low} or None ({none_means}), got {value!r}")
         _require(self.eviction_policy in EVICTION_POLICIES,
-                 f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+                 f"eviction_policy must be one of {EVICTION_POLICIES}, "
+                 f"got {self.eviction_policy!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.kv_offload_blocks in (0, None) or self.enable_prefix_caching,
-                 f"kv_offload_blocks={self.kv_offload_blocks} needs enable_prefix_caching=True: the host tier "
-                 "keeps the prefix cache's evicted blocks")
+                 f"kv_offload_blocks={self.kv_offload_blocks} needs enable_prefix_caching=True: "
+                 "the host tier keeps the prefix cache's evicted blocks")
         _require(self.num_blocks is None or self.kv_cache_memory_bytes is None,
-                 f"num_blocks={self.num_blocks} and kv_cache_memory_bytes={self.kv_cache_memory_bytes} "
+                 f"num_blocks={self.num_blocks} and "
+                 f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} "
                  "both size the KV cache: give only one of them")
 
 
-# The one switch between the readable engine and the fast one (engine/speed.py is the door between them):
+# The one switch between the readable engine and the fast one (engine/speed.py is the door between
+# them):
 #   "reference"  the spine only: engine/model.py's layers stepping in Python, attention through
-#                kernels/paged_attention/reference.py, torch's argmax. No compiled library is loaded.
-#   "fast"       the fast wing (engine/fast/) transforms a copy of the model once at build (fused and packed
-#                weights, C layers) and brings its own attention backends, decode step and argmax.
-# Both compute the same numbers up to float rounding; greedy tokens equal the naive loop's in both (the tests).
+#                kernels/paged_attention/reference.py, torch's argmax. No compiled library is
+#                loaded.
+#   "fast"       the fast wing (engine/fast/) transforms a copy of the model once at build (fused
+#                and packed weights, C layers) and brings its own attention backends, decode step
+#                and argmax.
+# Both compute the same numbers up to float rounding; greedy tokens equal the naive loop's in both
+# (the tests).
 SPEEDS = ("reference", "fast")
 DEFAULT_SPEED = "fast"
-# The fast wing's expert overrides (FastOptions); "auto" lets engine/fast/probes.py choose for this machine.
+# The fast wing's expert overrides (FastOptions); "auto" lets engine/fast/probes.py choose for this
+# machine.
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "native", "triton", "cuda")
 WEIGHT_LAYOUTS = ("auto", "linear", "packed")
 LAYER_BACKENDS = ("auto", "python")
-# What the reference path amounts to in the fast wing's words (so these overrides are allowed in either speed).
-REFERENCE_CHOICES = {"attention_backend": "torch", "weight_layout": "linear", "layer_backend": "python"}
+# What the reference path amounts to in the fast wing's words (so these overrides are allowed in
+# either speed).
+REFERENCE_CHOICES = {"attention_backend": "torch", "weight_layout": "linear",
+                     "layer_backend": "python"}
 
 
 @dataclass
 class FastOptions:
     """Expert overrides of what the fast wing picks (`speed="fast"` only); leave them "auto".
 
-    attention_backend: "torch" (the reference kernels), "sdpa" (torch's fused attention, a step's decodes in one
-        call), "native" (decode and whole prompts in C), "triton" or "cuda" (the teaching kernels).
-    weight_layout: "linear" keeps nn.Linear's [N, K]; "packed" fuses q/k/v and gate/up and packs every matrix
-        for this CPU's matmuls (engine/fast/packed_linear.py).
-    layer_backend: "python" keeps engine/model.py's PyTorch layers; "auto" runs small decode steps' layers in one
-        C call and the norms, SiLU and RoPE of other steps as fused C ops where they can run.
+    attention_backend: "torch" (the reference kernels), "sdpa" (torch's fused attention, a step's
+        decodes in one call), "native" (decode and whole prompts in C), "triton" or "cuda" (the
+        teaching kernels).
+    weight_layout: "linear" keeps nn.Linear's [N, K]; "packed" fuses q/k/v and gate/up and packs
+        every matrix for this CPU's matmuls (engine/fast/packed_linear.py).
+    layer_backend: "python" keeps engine/model.py's PyTorch layers; "auto" runs small decode
+        steps' layers in one C call and the norms, SiLU and RoPE of other steps as fused C ops
+        where they can run.
     """
 
     attention_backend: str = "auto"
@@ -308,7 +338,8 @@ class FastOptions:
     layer_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("weight_layout", WEIGHT_LAYOUTS),
+        for name, allowed in (("attention_backend", ATTENTION_BACKENDS),
+                              ("weight_layout", WEIGHT_LAYOUTS),
                               ("layer_backend", LAYER_BACKENDS)):
             value = getattr(self, name)
             _require(value in allowed, f"{name} must be one of {', '.join(allowed)}; got {value!r}")
@@ -325,23 +356,28 @@ class EngineConfig:
     model: str = "tinylab"
     dtype: str = "float32"
     speed: str = DEFAULT_SPEED  # "reference" or "fast": see SPEEDS
-    fast: FastOptions = field(default_factory=FastOptions)  # the fast wing's overrides ("fast" only)
+    # the fast wing's overrides ("fast" only)
+    fast: FastOptions = field(default_factory=FastOptions)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig())  # defined below
-    num_threads: int | None = None  # torch threads per step; None: 1 for small models (engine/threads.py)
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())  # defined below (chapter 08)
+    # torch threads per step; None: 1 for small models (engine/threads.py)
+    num_threads: int | None = None
+    # defined below (chapter 08)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
 
     def __post_init__(self) -> None:
         check_num_threads(self.num_threads)
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
-        _require(self.speed in SPEEDS, f"speed must be one of {', '.join(SPEEDS)}; got {self.speed!r}")
+        _require(self.speed in SPEEDS,
+                 f"speed must be one of {', '.join(SPEEDS)}; got {self.speed!r}")
         fast_only = {k: v for k, v in self.fast.overridden().items() if v != REFERENCE_CHOICES[k]}
         if self.speed == "reference" and fast_only:
             named = ", ".join(f"{k}={v!r}" for k, v in fast_only.items())
-            raise ValueError(f"{named}: fast-wing options, but speed='reference' runs the readable path only "
-                             f"({', '.join(f'{k}={v!r}' for k, v in REFERENCE_CHOICES.items())}); drop them "
-                             "or use speed='fast'")
+            raise ValueError(f"{named}: fast-wing options, but speed='reference' runs the "
+                             "readable path only "
+                             f"({', '.join(f'{k}={v!r}' for k, v in REFERENCE_CHOICES.items())}); "
+                             "drop them or use speed='fast'")
 
 
 SCHEDULER_POLICIES = ("continuous", "static")
@@ -380,7 +416,8 @@ class SchedulerConfig:
                  f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        for name in ("max_num_batched_tokens", "max_prefill_chunk_tokens", "default_tenant_max_running"):
+        for name in ("max_num_batched_tokens", "max_prefill_chunk_tokens",
+                     "default_tenant_max_running"):
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and value >= 1),
                      f"{name} must be None or an integer >= 1, got {value!r}")
@@ -397,22 +434,25 @@ class SchedulerConfig:
         return self.tenant_max_running.get(tenant, self.default_tenant_max_running)
 
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0  # a collective that waits this long means a rank died or hangs: fail
+# a collective that waits this long means a rank died or hangs: fail
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 
 
 @dataclass
 class ParallelConfig:
     """How one model is split over processes (chapter 08; vLLM's option names).
 
-    tensor_parallel_size: every layer's matmuls split over this many ranks (engine/parallel/tensor_parallel.py);
-        it must divide the query heads, the KV heads and the MLP width.
-    pipeline_parallel_size: the layers split into this many stages, one per rank (engine/parallel/pipeline.py).
-    num_micro_batches: a pipelined step's requests go through the stages in this many groups, so that
-        stage 2 works on group 1 while stage 1 works on group 2 (None: as many as stages).
-    collective_timeout_s: the longest any rank waits for another; past it the step fails with an error
-        instead of hanging (a rank that died or got stuck).
-    We split one way at a time: tensor OR pipeline parallel (vLLM combines them; the code would too, at
-    the price of two process groups, which the chapter does not need).
+    tensor_parallel_size: every layer's matmuls split over this many ranks
+        (engine/parallel/tensor_parallel.py); it must divide the query heads, the KV heads and the
+        MLP width.
+    pipeline_parallel_size: the layers split into this many stages, one per rank
+        (engine/parallel/pipeline.py).
+    num_micro_batches: a pipelined step's requests go through the stages in this many groups, so
+        that stage 2 works on group 1 while stage 1 works on group 2 (None: as many as stages).
+    collective_timeout_s: the longest any rank waits for another; past it the step fails with an
+        error instead of hanging (a rank that died or got stuck).
+    We split one way at a time: tensor OR pipeline parallel (vLLM combines them; the code would
+    too, at the price of two process groups, which the chapter does not need).
     """
 
     tensor_parallel_size: int = 1
@@ -423,15 +463,19 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
-            _require(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+            _require(_is_int(value) and value >= 1,
+                     f"{name} must be an integer >= 1, got {value!r}")
         _require(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
                  f"tensor_parallel_size={self.tensor_parallel_size} and pipeline_parallel_size="
-                 f"{self.pipeline_parallel_size}: this engine splits one way at a time; set one of them to 1")
-        _require(self.num_micro_batches is None or (_is_int(self.num_micro_batches) and self.num_micro_batches >= 1),
+                 f"{self.pipeline_parallel_size}: this engine splits one way at a time; "
+                 "set one of them to 1")
+        _require(self.num_micro_batches is None
+                 or (_is_int(self.num_micro_batches) and self.num_micro_batches >= 1),
                  f"num_micro_batches must be None (as many as stages) or an integer >= 1, "
                  f"got {self.num_micro_batches!r}")
         timeout = self.collective_timeout_s
-        _require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf,
+        _require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                 and 0 < timeout < math.inf,
                  f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     @property

@@ -2,7 +2,8 @@
 
     from engine import LLM, SamplingParams
     llm = LLM("tinylab")
-    outputs = llm.generate(["12+7=", "Once upon a time"], SamplingParams(temperature=0, max_tokens=16))
+    outputs = llm.generate(["12+7=", "Once upon a time"],
+                           SamplingParams(temperature=0, max_tokens=16))
     outputs[0].outputs[0].text, outputs[0].outputs[0].finish_reason, outputs[0].metrics.ttft_s
 
 Every prompt goes into one `LLMEngine` at once; its scheduler batches them continuously (or
@@ -34,7 +35,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error", or None while unfinished
-    logprobs: list[TokenLogprobs] | None = None  # one per token, when SamplingParams.logprobs was set
+    # one per token, when SamplingParams.logprobs was set
+    logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": the exception of the step that failed it
 
 
@@ -71,20 +73,23 @@ class RequestOutput:
         """The output of a request (sample 0, holding its n samples in `req.samples`)."""
         samples = req.samples or [req]
         outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason,
-                                    list(s.logprobs) if s.params.logprobs is not None else None, s.error)
+                                    list(s.logprobs) if s.params.logprobs is not None else None,
+                                    s.error)
                    for s in samples]
         finished = all(s.is_finished for s in samples)
         finish_time = max(s.finish_time for s in samples) if finished else None
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  finish_time, sum(s.num_preemptions for s in samples))
-        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, finished, metrics)
+        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, finished,
+                   metrics)
 
 
 class LLM:
     """A model plus an `LLMEngine`. `model`: a bundled name ("tinylab"), a local Hugging Face-format
     folder, or a `LlamaModel` (then pass its `tokenizer`, or None to work with token ids).
-    `speed`: "reference" (the readable path only) or "fast" (the fast wing; the default, DEFAULT_SPEED).
-    `**options` go to `engine_config` (scheduler and cache fields, e.g. max_num_seqs=8, policy="static")."""
+    `speed`: "reference" (the readable path only) or "fast" (the fast wing; the default,
+    DEFAULT_SPEED). `**options` go to `engine_config` (scheduler and cache fields, e.g.
+    max_num_seqs=8, policy="static")."""
 
     def __init__(self, model: str | LlamaModel = "tinylab", tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", speed: str | None = None, **options):
@@ -104,9 +109,9 @@ class LLM:
         """Generate for every prompt (one text, a list of texts, one list of token ids, or a list of
         them) with one SamplingParams for all or one per prompt; outputs in the prompts' order.
 
-        A bad prompt raises (naming prompts[i]) before anything runs, and the call changes nothing. A
-        step that fails does not end the call: we warn once per failed step, its requests come back
-        with finish_reason "error" (and `error`), all the others with their normal outputs."""
+        A bad prompt raises (naming prompts[i]) before anything runs, and the call changes nothing.
+        A step that fails does not end the call: we warn once per failed step, its requests come
+        back with finish_reason "error" (and `error`), all the others with their normal outputs."""
         prompts = as_prompt_list(prompts)
         params_list = as_params_list(params, len(prompts))
         engine, ids = self.engine, []
@@ -116,9 +121,11 @@ class LLM:
             with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
                 while engine.has_unfinished_requests():
                     bar.update(len(_step_or_warn(engine).queues.finished))
-        except BaseException as exc:  # a bad prompt, or Ctrl-C: the engine forgets this call's requests
+        except BaseException as exc:
+            # a bad prompt, or Ctrl-C: the engine forgets this call's requests
             self._drop(ids)
-            if type(exc) in (ValueError, TypeError) and len(ids) < len(prompts):  # prompts[len(ids)] failed
+            # prompts[len(ids)] failed
+            if type(exc) in (ValueError, TypeError) and len(ids) < len(prompts):
                 raise type(exc)(f"prompts[{len(ids)}]: {exc}") from exc
             raise
         return [RequestOutput.from_request(engine.pop_request(rid)) for rid in ids]
@@ -126,17 +133,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Answer one conversation ([{"role": "user", "content": ...}, ...]) or a list of them (vLLM's name).
+        """Answer one conversation ([{"role": "user", "content": ...}, ...]) or a list of them
+        (vLLM's name).
 
         Each conversation goes through the model's chat template into prompt text, which we tokenize
         as it stands (add_special_tokens=False: the template writes any BOS it wants itself); the
         outputs carry that text as `prompt`, one per conversation, in order."""
         if self.tokenizer is None:
-            raise ValueError("LLM.chat needs a tokenizer (for its chat template); this LLM has none")
+            raise ValueError("LLM.chat needs a tokenizer (for its chat template); "
+                             "this LLM has none")
         if not messages:
-            raise ValueError("messages is empty; pass [{'role': 'user', 'content': ...}] or a list of such lists")
+            raise ValueError("messages is empty; pass [{'role': 'user', 'content': ...}] "
+                             "or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt)
+                 for c in conversations]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(ids, params, use_tqdm)
         for out, text in zip(outputs, texts, strict=True):
@@ -151,18 +162,20 @@ class LLM:
 
 
 def _step_or_warn(engine: LLMEngine) -> StepReport:
-    """One engine step. A step that raised after running someone is a warning here, not the end of the
-    call: the engine finished the requests it ran with reason "error" and the others go on."""
+    """One engine step. A step that raised after running someone is a warning here, not the end of
+    the call: the engine finished the requests it ran with reason "error" and the others go on."""
     num_steps = len(engine.trace)
     try:
         return engine.step()
     except Exception as exc:
         report = engine.trace[-1] if len(engine.trace) == num_steps + 1 else None
-        failed = [] if report is None else [r for r, why in report.queues.finished.items() if why == "error"]
+        failed = ([] if report is None
+                  else [r for r, why in report.queues.finished.items() if why == "error"])
         if not failed:  # it failed before running anyone: going on would fail the same way forever
             raise
-        warnings.warn(f"LLM.generate: a step raised {type(exc).__name__}: {exc}; requests {failed} finished "
-                      "with finish_reason='error', the others go on", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"LLM.generate: a step raised {type(exc).__name__}: {exc}; "
+                      f"requests {failed} finished with finish_reason='error', the others go on",
+                      RuntimeWarning, stacklevel=3)
         return report
 
 

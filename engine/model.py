@@ -9,7 +9,8 @@ Qwen2 (bias on q/k/v) and SmolLM (tied embeddings). Read it top to bottom:
 
 Shape notation, used in every comment of the engine:
     B  batch (sequences)          T  tokens per sequence in this forward
-    H  query heads                Hkv key/value heads (H % Hkv == 0; Hkv < H is GQA, Hkv == 1 is MQA)
+    H  query heads                Hkv key/value heads (H % Hkv == 0;
+                                      Hkv < H is GQA, Hkv == 1 is MQA)
     D  head dim                   E  hidden size          F  MLP intermediate size
     V  vocabulary                 NB KV blocks            BS tokens per KV block
 
@@ -64,7 +65,8 @@ class NoCacheAttention:
 
 
 def causal_mask(Tq: int, Tk: int, window: int | None, device) -> Tensor:
-    """[Tq, Tk] boolean mask; the last query sits at key position Tk-1 (queries are the newest tokens)."""
+    """[Tq, Tk] boolean mask; the last query sits at key position Tk-1 (queries are the newest
+    tokens)."""
     q_pos = torch.arange(Tk - Tq, Tk, device=device)[:, None]
     k_pos = torch.arange(Tk, device=device)[None, :]
     mask = k_pos <= q_pos
@@ -116,14 +118,16 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (i, i + D/2) of every head by its position's angle. x [B,T,h,D], cos/sin [B,T,1,D]."""
+    """Rotate pairs (i, i + D/2) of every head by its position's angle.
+    x [B,T,h,D], cos/sin [B,T,1,D]."""
     return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        E, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        E, H, Hkv, D = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                        cfg.head_dim)
         self.layer, self.H, self.Hkv, self.D = layer, H, Hkv, D
         self.q_proj = nn.Linear(E, H * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(E, Hkv * D, bias=cfg.qkv_bias)
@@ -134,7 +138,8 @@ class Attention(nn.Module):
         """q [B, T, H*D], k and v [B, T, Hkv*D]: three matmuls of the same x."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend,
+                meta: Any) -> Tensor:
         B, T, _ = x.shape  # x [B, T, E]
         q, k, v = self.project(x)
         q = q.view(B, T, self.H, self.D)  # [B, T, H, D]
@@ -168,7 +173,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend,
+                meta: Any) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

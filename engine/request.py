@@ -16,7 +16,8 @@ the request's tokens already have their K/V in the cache. Each step feeds positi
     next step feeds                   o1  -> samples o2 (a decode step)
 
 A recompute preemption sets num_computed_tokens back to 0: the prompt AND the outputs so far are
-prefilled again later, which gives exactly the cache they had (the same tokens at the same positions).
+prefilled again later, which gives exactly the cache they had (the same tokens at the same
+positions).
 
 n > 1 samples of one prompt: sample 0 (the request's own id) is prefilled alone, the others
 ("<id>#1", ...) wait in its `pending_forks`. When sample 0 gets its first token's logits, each
@@ -37,41 +38,49 @@ from engine.sampling import SamplingParams, SamplingState, check_stop, shows_tex
 from engine.tokenizer import IncrementalDetokenizer
 
 WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
-FINISH_REASONS = ("stop", "length", "abort", "error")  # "error": the step that ran it raised (see `error`)
-SHOWN_VALUE_CHARS = 40  # an error message quotes at most this much of a bad value (a prompt can be long)
+# "error": the step that ran it raised (see `error`)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# an error message quotes at most this much of a bad value (a prompt can be long)
+SHOWN_VALUE_CHARS = 40
 
 
 def validate_token_ids(ids, vocab_size: int, where: str, allow_empty: bool = False) -> list[int]:
     """The one gate every token id list passes before the engine keeps it; returns plain ints.
 
-    A token id is an int in [0, vocab_size): a Python int or a numpy / torch integer scalar. We refuse
-    (TypeError) floats, bools, bytes, None, strings and nested lists, and (ValueError) ids outside the
-    vocabulary and, unless allowed, an empty list. An id of 5000 on a 1024-token model would otherwise
-    be accepted here and blow up the embedding lookup of EVERY later step, for everybody.
+    A token id is an int in [0, vocab_size): a Python int or a numpy / torch integer scalar. We
+    refuse (TypeError) floats, bools, bytes, None, strings and nested lists, and (ValueError) ids
+    outside the vocabulary and, unless allowed, an empty list. An id of 5000 on a 1024-token model
+    would otherwise be accepted here and blow up the embedding lookup of EVERY later step, for
+    everybody.
     `where` names the owner in the message, e.g. "request '7': prompt".
     """
-    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__len__") or isinstance(ids, dict | set):
+    if (isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__len__")
+            or isinstance(ids, dict | set)):
         raise TypeError(f"{where} must be a list of token ids (ints in [0, {vocab_size})), "
                         f"got {type(ids).__name__} {_short(ids)}")
     out = [_token_id(x, i, vocab_size, where) for i, x in enumerate(ids)]
     if not out and not allow_empty:
-        raise ValueError(f"{where} is empty (and the tokenizer adds no BOS token); give at least one token")
+        raise ValueError(f"{where} is empty (and the tokenizer adds no BOS token); "
+                         "give at least one token")
     return out
 
 
 def _token_id(x, i: int, vocab_size: int, where: str) -> int:
-    is_bool = isinstance(x, bool) or "bool" in str(getattr(x, "dtype", ""))  # numpy and torch bools too
+    # numpy and torch bools too
+    is_bool = isinstance(x, bool) or "bool" in str(getattr(x, "dtype", ""))
     try:
-        if is_bool or getattr(x, "ndim", 0) != 0:  # ndim: a 1-element array is a nested list, not an id
+        # ndim: a 1-element array is a nested list, not an id
+        if is_bool or getattr(x, "ndim", 0) != 0:
             raise TypeError
         value = operator.index(x)  # ints, numpy / torch integer scalars; floats, bytes, None refuse
     except TypeError:
-        raise TypeError(f"{where}[{i}] is {type(x).__name__} {_short(x)}: token ids must be ints in "
-                        f"[0, {vocab_size}) (Python, numpy or torch integers; not floats, bools, bytes "
-                        "or lists)") from None
+        raise TypeError(f"{where}[{i}] is {type(x).__name__} {_short(x)}: token ids must be ints "
+                        f"in [0, {vocab_size}) (Python, numpy or torch integers; not floats, "
+                        "bools, bytes or lists)") from None
     if not 0 <= value < vocab_size:
-        raise ValueError(f"{where}[{i}] = {value} is outside the model's vocabulary [0, {vocab_size}) "
-                         "(vocab_size of the model config); check the tokenizer matches the model")
+        raise ValueError(f"{where}[{i}] = {value} is outside the model's vocabulary "
+                         f"[0, {vocab_size}) (vocab_size of the model config); "
+                         "check the tokenizer matches the model")
     return value
 
 
@@ -102,13 +111,17 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    preempted: bool = False  # waiting or swapped because of a preemption (cleared when it runs again)
-    logprobs: list = field(default_factory=list)  # engine.sampling.TokenLogprobs per token, when asked
+    preempted: bool = False  # waiting or swapped by a preemption (cleared when it runs again)
+    # engine.sampling.TokenLogprobs per token, when asked
+    logprobs: list = field(default_factory=list)
     index: int = 0  # which of the request's n samples this sequence is
-    samples: list[Request] = field(default_factory=list)  # all n samples of the request, in index order
-    pending_forks: list[Request] = field(default_factory=list)  # on sample 0: forked at its first token
+    # all n samples of the request, in index order
+    samples: list[Request] = field(default_factory=list)
+    # on sample 0: forked at its first token
+    pending_forks: list[Request] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": the exception of the step that failed it
-    cache_key: tuple = ()  # the prefix cache's extra keys: (model id, template version, scope); prefix_cache.py
+    # the prefix cache's extra keys: (model id, template version, scope); prefix_cache.py
+    cache_key: tuple = ()
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, prompt_ids=list(self.prompt_token_ids))
@@ -144,8 +157,9 @@ class Request:
     def append_token(self, token: int, logprobs=None) -> bool:
         """Record a sampled token; returns True when the request is now finished (see `finish`).
 
-        The stop rule is `engine.sampling.check_stop`, the same one `engine.companions.naive.run_loop` uses, so
-        outputs match the naive loop: text grows only with non-EOS tokens (`shows_text`).
+        The stop rule is `engine.sampling.check_stop`, the same one
+        `engine.companions.naive.run_loop` uses, so outputs match the naive loop: text grows only
+        with non-EOS tokens (`shows_text`).
         """
         if self.detokenizer is not None and shows_text(token, self.eos_token_ids):
             self.detokenizer.push(token)

@@ -7,7 +7,8 @@ and its own KV slot. A step with two decodes and a prefill chunk of 3 tokens:
     positions         5   9  | 0   1   2           positions [1, N]: RoPE angle of each token
     slot_mapping      37  70 | 4   5   6           where each token's K/V is written in the pools
     kind              decode | prefill chunk [0, 3)
-    logits needed     a5  b9 |         c2          the scored rows: the last token of a request that samples
+    logits needed     a5  b9 |         c2          the scored rows: the last token of a request
+                                                   that samples
 
 Inside every layer, `PagedAttention.forward` writes the new K/V into their slots, then computes
 attention per kind: all decode rows at once through `paged_decode_attention` (each reads its own
@@ -18,9 +19,9 @@ layers (projections, MLP, norms) never mix tokens, so one packed row serves them
 A request may ask for the logits of its last `num_scored` rows instead of one (speculative decoding
 verifies several guessed tokens in one forward): those rows are all kept, in order.
 
-This file is the readable path (`speed="reference"`): every layer of engine/model.py runs in Python and
-attention is kernels/paged_attention/reference.py. The fast wing (engine/fast/, `speed="fast"`) plugs in
-through the two seams defined here, handed over as an `Acceleration` by engine/speed.py:
+This file is the readable path (`speed="reference"`): every layer of engine/model.py runs in Python
+and attention is kernels/paged_attention/reference.py. The fast wing (engine/fast/, `speed="fast"`)
+plugs in through the two seams defined here, handed over as an `Acceleration` by engine/speed.py:
 - an attention backend: any object with `PagedAttention`'s `forward` (and its `kv_pool`, `scale`,
   `sliding_window` and `backend` name);
 - a `DecodeStep`: something that runs ALL layers of the steps it `covers` in one go (C layers today,
@@ -67,7 +68,7 @@ class AttentionMetadata:
     slot_mapping: Tensor  # [N] int64: KV slot of every token
     decode_rows: Tensor  # [Bd] int64: rows of the packed batch that are decode tokens
     decode_block_tables: Tensor  # [Bd, max_blocks] int32, padded with 0 (never read past seq_lens)
-    decode_seq_lens: Tensor  # [Bd] int32: cached tokens of each decode sequence, the new one included
+    decode_seq_lens: Tensor  # [Bd] int32: cached tokens of each decode sequence, new one included
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_rows: Tensor | None = None  # [S] int64: the scored rows, whose logits we keep
     plans: Any = None  # a backend's per-step work (checked indices, masks), made at layer 0
@@ -85,10 +86,12 @@ class PagedAttention:
 
     def __init__(self, kv_pool: PagedKVPool, sliding_window: int | None = None):
         self.kv_pool = kv_pool
-        self.sliding_window = sliding_window  # Mistral: each query reads at most its last W positions
+        # Mistral: each query reads at most its last W positions
+        self.sliding_window = sliding_window
         self.scale = kv_pool.head_dim ** -0.5  # the 1/sqrt(D) of scaled dot-product attention
 
-    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                meta: AttentionMetadata) -> Tensor:
         q, k, v = q[0], k[0], v[0]  # [N, H, D], [N, Hkv, D]: the packed batch is one row
         k_pool, v_pool = self.kv_pool.k[layer], self.kv_pool.v[layer]  # [NB, BS, Hkv, D]
         scales = self.kv_pool.scales(layer)  # int8 KV: (k_scale, v_scale) [NB, BS, Hkv]; else None
@@ -96,14 +99,16 @@ class PagedAttention:
         out = torch.empty_like(q)  # [N, H, D]
         if meta.decode_rows.numel():
             rows = meta.decode_rows
-            out[rows] = paged_decode_attention_ref(q[rows], k_pool, v_pool, meta.decode_block_tables,
+            out[rows] = paged_decode_attention_ref(q[rows], k_pool, v_pool,
+                                                   meta.decode_block_tables,
                                                    meta.decode_seq_lens, self.scale,
                                                    self.sliding_window, scales)
         for chunk in meta.prefills:
             rows = slice(chunk.lo, chunk.hi)
             out[rows] = paged_prefill_attention_ref(q[rows], k_pool, v_pool, chunk.block_table,
                                                     chunk.positions, self.scale,
-                                                    sliding_window=self.sliding_window, scales=scales)
+                                                    sliding_window=self.sliding_window,
+                                                    scales=scales)
         return out[None]  # [1, N, H, D]
 
 
@@ -119,8 +124,9 @@ class DecodeStep(Protocol):
 
 @dataclass
 class Acceleration:
-    """What a runner computes with: the model (the one given, or the fast wing's transformed copy), its
-    attention backend, an optional `DecodeStep`, the greedy argmax, and what was chosen and why."""
+    """What a runner computes with: the model (the one given, or the fast wing's transformed copy),
+    its attention backend, an optional `DecodeStep`, the greedy argmax, and what was chosen and
+    why."""
 
     model: nn.Module
     attention: Any  # PagedAttention, or a fast-wing backend with the same forward
@@ -145,7 +151,8 @@ def build_batch(work: list[ScheduledWork], block_manager: BlockManager,
             decode_tables.append(table)
             decode_lens.append(w.end)
         else:
-            prefills.append(PrefillChunk(lo, len(ids), torch.tensor(table, dtype=INDEX, device=device),
+            prefills.append(PrefillChunk(lo, len(ids),
+                                         torch.tensor(table, dtype=INDEX, device=device),
                                          torch.arange(w.start, w.end, device=device)))
         sample_rows += range(len(ids) - w.num_scored, len(ids))  # the work's last num_scored rows
     width = max((len(t) for t in decode_tables), default=0)
@@ -153,7 +160,8 @@ def build_batch(work: list[ScheduledWork], block_manager: BlockManager,
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-        decode_block_tables=torch.tensor(padded, dtype=INDEX, device=device).reshape(len(padded), width),
+        decode_block_tables=torch.tensor(padded, dtype=INDEX,
+                                         device=device).reshape(len(padded), width),
         decode_seq_lens=torch.tensor(decode_lens, dtype=INDEX, device=device),
         prefills=prefills,
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
@@ -165,26 +173,30 @@ def build_batch(work: list[ScheduledWork], block_manager: BlockManager,
 class ModelRunner:
     """Runs a step's forward in this process: the block moves, the packed batch, the model.
 
-    The parallel executors (engine/parallel/executor.py) have the same `execute`, and spread it over ranks."""
+    The parallel executors (engine/parallel/executor.py) have the same `execute`, and spread it over
+    ranks."""
 
     def __init__(self, acceleration: Acceleration):
         self.load(acceleration)
 
     def load(self, acceleration: Acceleration) -> None:
-        """Compute with a new model (new weights, a pruned copy): the engine hands over a new Acceleration."""
+        """Compute with a new model (new weights, a pruned copy): the engine hands over a new
+        Acceleration."""
         self.acceleration = acceleration
         self.model, self.attention = acceleration.model, acceleration.attention
         self.kv_pool, self.decode_step = self.attention.kv_pool, acceleration.decode_step
 
     def execute(self, moves: list[BlockMove], work: list[ScheduledWork],
                 block_manager: BlockManager) -> tuple[dict[str, int], Tensor | None]:
-        """Apply the block moves (in order, even when nothing runs), then the forward; returns the blocks
-        moved per kind and the logits [S, V] of the scored rows (None when there is no work)."""
+        """Apply the block moves (in order, even when nothing runs), then the forward; returns the
+        blocks moved per kind and the logits [S, V] of the scored rows (None when there is no
+        work)."""
         moved = self.kv_pool.apply_moves(moves)
         if not work:
             return moved, None
         input_ids, positions, meta = build_batch(work, block_manager, self.kv_pool.device)
-        return moved, run_model(self.model, self.attention, input_ids, positions, meta, self.decode_step)
+        return moved, run_model(self.model, self.attention, input_ids, positions, meta,
+                                self.decode_step)
 
 
 @torch.inference_mode()

@@ -31,18 +31,21 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-GREEDY_EPSILON = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy (t -> 0)
+# vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy (t -> 0)
+GREEDY_EPSILON = 1e-5
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's documented range for presence and frequency penalties
 TOP_K_OFF = (0, -1)  # vLLM accepts both spellings of "no top-k"
 STAGES = ("temperature", "top_k", "top_p", "min_p")  # the filter stages, in the order we apply them
-# A logits processor (vLLM's V0 signature): (the tokens generated so far, one row of logits [V]) -> a row
-# of logits [V], new or changed in place. It sees the logits after the penalties, before temperature.
+# A logits processor (vLLM's V0 signature): (the tokens generated so far, one row of logits [V]) ->
+# a row of logits [V], new or changed in place. It sees the logits after the penalties, before
+# temperature.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is not allowed: {name} must be {allowed}")
+        raise ValueError(f"SamplingParams.{name}={value!r} is not allowed: "
+                         f"{name} must be {allowed}")
 
 
 @dataclass
@@ -64,13 +67,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top logprobs to return with each token
-    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # applied in order, every path
+    # applied in order, every path
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.logits_processors = list(self.logits_processors or [])
         _require(all(callable(f) for f in self.logits_processors), "logits_processors",
-                 self.logits_processors, "a list of callables (output_ids, logits [V]) -> logits [V]")
+                 self.logits_processors,
+                 "a list of callables (output_ids, logits [V]) -> logits [V]")
         self.stop_token_ids = list(self.stop_token_ids or [])
         lo, hi = PENALTY_RANGE
         _require(self.n >= 1, "n", self.n, ">= 1")
@@ -87,20 +92,22 @@ class SamplingParams:
         _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                  f"in [0, max_tokens={self.max_tokens}]")
         _require(all(self.stop), "stop", self.stop, "a list of non-empty strings")
-        _require(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "None or >= 0")
+        _require(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
+                 "None or >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
 
-# ---- the stages, as pure functions on logits [..., V] (one row or a batch) -------------------------
+# ---- the stages, as pure functions on logits [..., V] (one row or a batch) -----------------------
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Divide the logits by t. Greedy (t = 0) is the sampler's job, so here t must be > 0."""
     if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0 here; temperature 0 means greedy (argmax)")
+        raise ValueError(f"temperature={temperature!r} must be > 0 here; "
+                         "temperature 0 means greedy (argmax)")
     return logits / temperature
 
 
@@ -158,7 +165,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids:
     if repetition_penalty != 1.0:
         seen = torch.zeros(V, dtype=torch.bool, device=device)
         seen[_as_ids([*prompt_ids, *output_ids], device)] = True
-        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        penalized = torch.where(logits > 0, logits / repetition_penalty,
+                                logits * repetition_penalty)
         logits = torch.where(seen, penalized, logits)
     if presence_penalty or frequency_penalty:
         counts = torch.bincount(_as_ids(output_ids, device), minlength=V).to(logits.dtype)  # [V]
@@ -166,7 +174,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids:
     return logits
 
 
-def _filter_stages(logits: torch.Tensor, params: SamplingParams) -> Iterator[tuple[str, torch.Tensor]]:
+def _filter_stages(logits: torch.Tensor,
+                   params: SamplingParams) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (stage name, logits after that stage) for temperature -> top-k -> top-p -> min-p."""
     logits = apply_temperature(logits, params.temperature)
     yield "temperature", logits
@@ -191,11 +200,12 @@ def probs_after_each_stage(logits: torch.Tensor, params: SamplingParams) -> dict
     return stages
 
 
-# ---- the sampler: one batch, one SamplingState per row ---------------------------------------------
+# ---- the sampler: one batch, one SamplingState per row -------------------------------------------
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
-    """A request's own random stream: seeded when the request gives a seed, fresh entropy otherwise."""
+    """A request's own random stream: seeded when the request gives a seed, fresh entropy
+    otherwise."""
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
@@ -233,7 +243,8 @@ class SamplerOutput:
 
 def _mask_stop_tokens(logits: torch.Tensor, params: SamplingParams, n_output: int,
                       eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """min_tokens: while too few tokens exist, every EOS id and the stop token ids cannot be chosen."""
+    """min_tokens: while too few tokens exist, every EOS id and the stop token ids cannot be
+    chosen."""
     if n_output >= params.min_tokens:
         return logits
     banned = list(params.stop_token_ids)
@@ -246,13 +257,14 @@ def _mask_stop_tokens(logits: torch.Tensor, params: SamplingParams, n_output: in
 
 def apply_logits_processors(logits: torch.Tensor, processors: Sequence[LogitsProcessor],
                             output_ids: Sequence[int]) -> torch.Tensor:
-    """Run the request's processors on one row [V], in order; each must return a row of the same shape."""
+    """Run the request's processors on one row [V], in order; each must return a row of the same
+    shape."""
     for fn in processors:
         out = fn(list(output_ids), logits)
         if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"logits processor {fn!r} must return a tensor of shape {tuple(logits.shape)}, "
-                             f"got {got}")
+            raise ValueError(f"logits processor {fn!r} must return a tensor of shape "
+                             f"{tuple(logits.shape)}, got {got}")
         logits = out
     return logits
 
@@ -269,8 +281,9 @@ def _top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogpr
 def _sample_row(logits: torch.Tensor, state: SamplingState,
                 eos_token_ids: Sequence[int]) -> tuple[int, TokenLogprobs | None]:
     params = state.params
-    logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids, params.repetition_penalty,
-                             params.presence_penalty, params.frequency_penalty)
+    logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids,
+                             params.repetition_penalty, params.presence_penalty,
+                             params.frequency_penalty)
     logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
     logits = apply_logits_processors(logits, params.logits_processors, state.output_ids)
     if params.greedy:
@@ -295,11 +308,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
     eos_token_ids: the model's end-of-sequence ids (one int is fine), kept out until min_tokens.
     argmax: how plain greedy rows find their maxima, all at once (the fast wing brings a C one)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits must be [B, V] with B = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
-    eos = [] if eos_token_ids is None else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+        raise ValueError(f"logits must be [B, V] with B = len(rows) = {len(rows)}, "
+                         f"got {tuple(logits.shape)}")
+    eos = ([] if eos_token_ids is None
+           else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
     plain = [i for i, state in enumerate(rows) if _plain_greedy(state)]
-    # Every plain greedy row in ONE argmax over [P, V]: the same tokens as row by row (argmax keeps the first
-    # of equal maxima either way), without a copy and a call per row (a 64-sequence decode step paid ~7 ms).
+    # Every plain greedy row in ONE argmax over [P, V]: the same tokens as row by row (argmax keeps
+    # the first of equal maxima either way), without a copy and a call per row (a 64-sequence
+    # decode step paid ~7 ms).
     picked: list = [None] * len(rows)
     if plain:
         greedy_rows = logits if len(plain) == len(rows) else logits[plain]  # [P, V]
@@ -313,18 +329,21 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
 
 
 def _plain_greedy(state: SamplingState) -> bool:
-    """Greedy with nothing that changes the logits first (no penalty, no banned EOS before min_tokens, no
-    logits processor) and no logprobs asked for: its token is simply the argmax of its logits row."""
+    """Greedy with nothing that changes the logits first (no penalty, no banned EOS before
+    min_tokens, no logits processor) and no logprobs asked for: its token is simply the argmax of
+    its logits row."""
     p = state.params
-    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.logprobs is None and len(state.output_ids) >= p.min_tokens and not p.logits_processors)
+    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.logprobs is None
+            and len(state.output_ids) >= p.min_tokens and not p.logits_processors)
 
 
 class StopDecision(NamedTuple):
     """What `check_stop` decided: unpack it as (finished, reason, text)."""
 
     finished: bool
-    reason: str | None  # "stop" (EOS, a stop id or a stop string), "length" (max_tokens), None: go on
+    # "stop" (EOS, a stop id or a stop string), "length" (max_tokens), None: go on
+    reason: str | None
     text: str  # the text to show: cut before the stop string that matched, if one did
 
 
@@ -336,7 +355,7 @@ def shows_text(token: int, eos_token_ids: Sequence[int]) -> bool:
 
 def check_stop(output_ids: Sequence[int], new_token: int, text: str, params: SamplingParams,
                eos_token_ids: Sequence[int]) -> StopDecision:
-    """Does the sequence stop at `new_token`? The ONE stop rule, used by the naive loop and the engine.
+    """Does the sequence stop at `new_token`? The ONE stop rule of the naive loop and the engine.
 
     output_ids: the tokens generated BEFORE new_token; text: the visible text including new_token's
     piece (see `shows_text`); eos_token_ids: ALL of the model's end-of-sequence ids (a chat model

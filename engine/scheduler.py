@@ -28,9 +28,9 @@ step or later can read (wholly before the window of its first query) go back to 
 
 Prefix caching (chapter 06): a request that holds no blocks yet (new, or back after a recompute
 preemption) first looks up its longest cached prefix in whole blocks, at most all its tokens but the
-last (whose logits we sample from). It shares those blocks and starts with num_computed_tokens at the
-hit, so only the rest is prefilled; the blocks a hit takes out of the evictor count against the free
-ones at admission. A "prefix_hit" event records each lookup.
+last (whose logits we sample from). It shares those blocks and starts with num_computed_tokens at
+the hit, so only the rest is prefilled; the blocks a hit takes out of the evictor count against the
+free ones at admission. A "prefix_hit" event records each lookup.
 
 The victim: among the running requests not yet scheduled in this step (and the needy request
 itself), the one with the LOWEST priority (largest number), then the LATEST arrival. This is
@@ -51,19 +51,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv.block_manager import BlockManager, BlockMove, HostBlock
 from engine.config import SchedulerConfig
+from engine.kv.block_manager import BlockManager, BlockMove, HostBlock
 from engine.request import RUNNING, SWAPPED, WAITING, Request
 
 
 @dataclass
 class ScheduledWork:
-    """Feed positions [start, end) of `request`; score (keep the logits of) its last `num_scored` positions.
+    """Feed positions [start, end) of `request`; score (keep the logits of) its last `num_scored`
+    positions.
 
-    A plain step scores one position, the last, when `end` is the request's last known token (it samples
-    the next token from it), and none for a prefill chunk that stops short of the prompt's end. A step
-    that verifies k guessed tokens feeds them and scores all k + 1 positions (`scored=k + 1`): the logits
-    at each say whether the next guess was right (speculative decoding).
+    A plain step scores one position, the last, when `end` is the request's last known token (it
+    samples the next token from it), and none for a prefill chunk that stops short of the prompt's
+    end. A step that verifies k guessed tokens feeds them and scores all k + 1 positions
+    (`scored=k + 1`): the logits at each say whether the next guess was right (speculative
+    decoding).
     """
 
     request: Request
@@ -75,7 +77,8 @@ class ScheduledWork:
 
     def __post_init__(self) -> None:
         if self.scored is not None and not 0 <= self.scored <= self.end - self.start:
-            raise ValueError(f"scored={self.scored} must be in [0, {self.end - self.start}] (the fed positions)")
+            raise ValueError(f"scored={self.scored} must be in [0, {self.end - self.start}] "
+                             "(the fed positions)")
 
     @property
     def samples(self) -> bool:
@@ -90,10 +93,13 @@ class ScheduledWork:
 @dataclass
 class SchedulerOutput:
     work: list[ScheduledWork] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, CPU block), copy first
+    # (GPU block, CPU block), copy first
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, GPU block)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU copy-on-write
-    moves: list[BlockMove] = field(default_factory=list)  # every copy above and the host tier's, in order
+    # (src, dst) GPU copy-on-write
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # every copy above and the host tier's, in order
+    moves: list[BlockMove] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     budget_left: int = 0
     preempted: bool = False
@@ -110,7 +116,7 @@ def rank(req: Request) -> tuple:
 
 
 class Scheduler:
-    """Waiting, running and swapped queues over one BlockManager (which also holds the swap pool)."""
+    """Waiting, running and swapped queues over one BlockManager (it also holds the swap pool)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
@@ -118,8 +124,9 @@ class Scheduler:
         self.token_budget = config.max_num_batched_tokens or max_model_len
         if not config.enable_chunked_prefill and self.token_budget < max_model_len:
             raise ValueError(
-                f"max_num_batched_tokens={self.token_budget} is below the context ({max_model_len}) with "
-                "enable_chunked_prefill=False, so a long prompt could never run: raise it or enable chunking")
+                f"max_num_batched_tokens={self.token_budget} is below the context "
+                f"({max_model_len}) with enable_chunked_prefill=False, so a long prompt could "
+                "never run: raise it or enable chunking")
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -158,16 +165,19 @@ class Scheduler:
             self._swap_in(out)
             if self.config.policy == "continuous":
                 self._admit_waiting(out)
-        out.moves = self.block_manager.take_moves()  # the KV pool does them, in this order, before the forward
+        # the KV pool does them, in this order, before the forward
+        out.moves = self.block_manager.take_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int]) -> None:
         order = sorted(self.running, key=rank)
-        decodes_first = [r for r in order if r.is_decoding] + [r for r in order if not r.is_decoding]
+        decodes_first = ([r for r in order if r.is_decoding]
+                         + [r for r in order if not r.is_decoding])
         for req in decodes_first:
             if req.status != RUNNING:  # preempted earlier in this loop, as someone's victim
                 continue
-            hit = self._cached_prefix(req)  # a static batch's request holds no block until it first runs
+            # a static batch's request holds no block until it first runs
+            hit = self._cached_prefix(req)
             n = self._num_new_tokens(req, out.budget_left, hit)
             if n and self._make_room(req, n, out, scheduled, hit):
                 self._schedule(req, n, out, hit)
@@ -218,8 +228,9 @@ class Scheduler:
 
     # ---- helpers ------------------------------------------------------------------------------
     def _seats_taken(self) -> int:
-        """Sequences running now plus those already promised a seat: a running sample 0 that has not
-        sampled yet will fork its `pending_forks` at its first token, with no admission in between."""
+        """Sequences running now plus those already promised a seat: a running sample 0 that has
+        not sampled yet will fork its `pending_forks` at its first token, with no admission in
+        between."""
         return sum(1 + len(r.pending_forks) for r in self.running)
 
     def _has_seats(self, req: Request) -> bool:
@@ -227,15 +238,18 @@ class Scheduler:
         return self._seats_taken() + 1 + len(req.pending_forks) <= self.config.max_num_seqs
 
     def _cached_prefix(self, req: Request) -> list[int]:
-        """For a request that holds no blocks yet (new, or back after a recompute preemption): the cached
-        blocks of its longest cached prefix, at most num_tokens - 1 tokens (its last token is fed again:
-        sampling needs its logits). [] when it holds blocks already, or prefix caching is off."""
+        """For a request that holds no blocks yet (new, or back after a recompute preemption): the
+        cached blocks of its longest cached prefix, at most num_tokens - 1 tokens (its last token is
+        fed again: sampling needs its logits). [] when it holds blocks already, or prefix caching is
+        off."""
         if req.seq_id in self.block_manager:
             return []
-        return self.block_manager.find_cached_prefix(req.all_token_ids, req.cache_key, req.num_tokens - 1)
+        return self.block_manager.find_cached_prefix(req.all_token_ids, req.cache_key,
+                                                     req.num_tokens - 1)
 
     def _computed(self, req: Request, hit: list[int]) -> int:
-        """Tokens whose K/V is in the cache: computed by req, or found cached (a hit on a new request)."""
+        """Tokens whose K/V is in the cache: computed by req, or found cached (a hit on a new
+        request)."""
         return req.num_computed_tokens + len(hit) * self.block_manager.block_size
 
     def _num_new_tokens(self, req: Request, budget_left: int, hit: list[int] = ()) -> int:
@@ -247,8 +261,9 @@ class Scheduler:
         return remaining if remaining <= budget_left else 0
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput, hit: list[int] = ()) -> None:
-        """Reserve KV slots for n more tokens of req (the caller checked there is room) and record it.
-        `hit`: the cached blocks a request that holds no blocks yet starts with (prefix caching)."""
+        """Reserve KV slots for n more tokens of req (the caller checked there is room) and record
+        it. `hit`: the cached blocks a request that holds no blocks yet starts with (prefix
+        caching)."""
         bm = self.block_manager
         if req.seq_id in bm:
             appended = bm.append_slots(req.seq_id, n)
@@ -259,13 +274,17 @@ class Scheduler:
             bm.allocate(req.seq_id, start + n, hit)
             slots = bm.slot_mapping(req.seq_id, range(start, start + n))
             if bm.prefix_cache is not None:
-                from_host = sum(isinstance(b, HostBlock) for b in hit) * bm.block_size  # reloaded from the host tier
-                out.events.append({"type": "prefix_hit", "request_id": req.request_id, "num_tokens": start,
-                                   "num_query_tokens": req.num_tokens, "num_host_tokens": from_host})
+                # reloaded from the host tier
+                from_host = sum(isinstance(b, HostBlock) for b in hit) * bm.block_size
+                out.events.append({"type": "prefix_hit", "request_id": req.request_id,
+                                   "num_tokens": start, "num_query_tokens": req.num_tokens,
+                                   "num_host_tokens": from_host})
         start = req.num_computed_tokens
-        freed = bm.free_out_of_window(req.seq_id, start)  # sliding window: blocks no query can read again
+        # sliding window: blocks no query can read again
+        freed = bm.free_out_of_window(req.seq_id, start)
         if freed:
-            out.events.append({"type": "window_freed", "request_id": req.request_id, "blocks": freed})
+            out.events.append({"type": "window_freed", "request_id": req.request_id,
+                               "blocks": freed})
         phase = "decode" if req.is_decoding else "prefill"
         req.num_computed_tokens = start + n
         out.budget_left -= n
@@ -280,7 +299,8 @@ class Scheduler:
     def _make_room(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int],
                    hit: list[int] = ()) -> bool:
         """Preempt victims until req's n tokens fit; False when req itself had to go (or wait).
-        (Preempting only frees blocks, never evicts one, so the cached blocks in `hit` stay valid.)"""
+        (Preempting only frees blocks, never evicts one, so the cached blocks in `hit` stay
+        valid.)"""
         while not self._has_room(req, n, hit):
             candidates = [r for r in self.running if r.seq_id not in scheduled]
             victim = max(candidates, key=rank)  # lowest priority, then latest arrival
@@ -306,7 +326,8 @@ class Scheduler:
                            "reason": reason})
 
     def _swap_out(self, victim: Request, out: SchedulerOutput) -> bool:
-        """Copy victim's blocks to the CPU pool (False: nothing to swap, or the pool is too full)."""
+        """Copy victim's blocks to the CPU pool (False: nothing to swap, or the pool is too
+        full)."""
         bm = self.block_manager
         if victim.seq_id not in bm or not bm.can_swap_out(victim.seq_id):
             return False

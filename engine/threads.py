@@ -4,8 +4,8 @@ A matmul of a small model at decode time is tiny: tinylab's biggest one is 1 x 2
 half a million multiply-adds, a fraction of a millisecond on one core. Splitting it over two threads
 saves little, and costs a hand-over between threads at every one of the hundreds of matmuls of a
 forward pass. Worse, when another program is using the second core, the second thread waits for a
-core that is not free, and every matmul waits for that thread. We measured one tinylab decode step at
-2.4 ms on one thread and 284 ms on two while another job ran: 100x slower, for nothing.
+core that is not free, and every matmul waits for that thread. We measured one tinylab decode step
+at 2.4 ms on one thread and 284 ms on two while another job ran: 100x slower, for nothing.
 
 So the engine runs every step inside `torch_threads(n)`, with a setting it owns (`num_threads`):
 
@@ -25,8 +25,8 @@ from contextlib import contextmanager
 
 import torch
 
-# Below this many parameters a decode step's matmuls are too small to be worth a second thread (tinylab
-# has 4.5M, SmolLM2-135M 135M: on a 2-core machine both decode as fast or faster on one thread).
+# Below this many parameters a decode step's matmuls are too small to be worth a second thread
+# (tinylab has 4.5M, SmolLM2-135M 135M: on 2 cores both decode at least as fast on one thread).
 SMALL_MODEL_PARAMS = 200_000_000
 
 
@@ -45,10 +45,10 @@ def default_num_threads(num_params: int) -> int:
 
 def check_num_threads(num_threads) -> None:
     """Raise a clear error unless `num_threads` is None or an integer >= 1."""
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                    or num_threads < 1):
-        raise ValueError(f"num_threads must be None (automatic: 1 for small models) or an integer >= 1, "
-                         f"got {num_threads!r}")
+    if num_threads is not None and (isinstance(num_threads, bool)
+                                    or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be None (automatic: 1 for small models) "
+                         f"or an integer >= 1, got {num_threads!r}")
 
 
 @contextmanager
@@ -64,7 +64,7 @@ def torch_threads(num_threads: int) -> Iterator[int]:
 
 
 def use_threads(num_threads: int = 1) -> int:
-    """Set torch's thread count for the rest of the session (a notebook's first cell); returns it."""
+    """Set torch's thread count for the rest of the session (a notebook's first cell); return it."""
     check_num_threads(num_threads)
     torch.set_num_threads(num_threads)
     return torch.get_num_threads()

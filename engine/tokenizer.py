@@ -29,7 +29,8 @@ class Tokenizer:
         file = path / "tokenizer.json"
         try:
             tk = HFTokenizer.from_file(str(file))
-        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+        except Exception as e:
+            # the tokenizers library raises a bare Exception for a malformed file
             raise ValueError(f"{file} is not a readable tokenizer.json ({e}); re-save it with the "
                              "`tokenizers` library or re-download it") from None
         special = _special_tokens(path)
@@ -59,17 +60,20 @@ class Tokenizer:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        """Each id's own piece, for showing how text was cut (byte-level pieces may be partial characters)."""
+        """Each id's own piece, for showing how text was cut (byte-level pieces may be partial
+        characters)."""
         return [self.tk.id_to_token(i) for i in ids]
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """A conversation ([{"role": ..., "content": ...}, ...]) as the prompt text the model was tuned on,
-        rendered from the model's own template (or PLAIN_CHAT_TEMPLATE); see `render_chat_template`."""
+        """A conversation ([{"role": ..., "content": ...}, ...]) as the prompt text the model was
+        tuned on, rendered from the model's own template (or PLAIN_CHAT_TEMPLATE); see
+        `render_chat_template`."""
         special = {"bos_token": self._token_text(self.bos_token_id),
-                   "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+                   "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids
+                                                 else None),
                    "pad_token": self._token_text(self.pad_token_id)}
         return render_chat_template(self.chat_template or PLAIN_CHAT_TEMPLATE, messages,
                                     add_generation_prompt, **special)
@@ -132,19 +136,21 @@ def _token_id(tk: HFTokenizer, token: str | None) -> int | None:
     return None if token is None else tk.token_to_id(token)
 
 
-# ---- prompts in, stops out: the token ids a generation loop starts from and stops at ---------------
+# ---- prompts in, stops out: the token ids a generation loop starts from and stops at -------------
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, max_len: int) -> list[int]:
     """Token ids of a prompt, with clear errors for an empty or too long one."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("prompt is text but the model has no tokenizer; pass token ids instead")
+            raise ValueError("prompt is text but the model has no tokenizer; "
+                             "pass token ids instead")
         ids = tokenizer.encode(prompt)
     else:
         ids = [int(i) for i in prompt]
     if not ids:
-        raise ValueError("prompt is empty (and the tokenizer adds no BOS token); give at least one token")
+        raise ValueError("prompt is empty (and the tokenizer adds no BOS token); "
+                         "give at least one token")
     if len(ids) >= max_len:
         raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {max_len}; "
                          f"shorten it to at most {max_len - 1} tokens")
@@ -153,18 +159,20 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, max_len:
 
 def eos_ids(model, tokenizer: Tokenizer | None) -> list[int]:
     """ALL end-of-sequence ids: the tokenizer's when it knows them, else the model config's.
-    `model` is anything with `.config.eos_token_ids` (a LlamaModel; we do not import the model here)."""
+    `model` is anything with `.config.eos_token_ids` (a LlamaModel; we do not import the model
+    here)."""
     if tokenizer is not None and tokenizer.eos_token_ids:
         return tokenizer.eos_token_ids
     return model.config.eos_token_ids
 
 
-# ---- chat templates: a conversation -> the prompt text an instruction-tuned model expects ---------
+# ---- chat templates: a conversation -> the prompt text an instruction-tuned model expects --------
 
 # For models that ship no template (tinylab, tiny test models): the "User: ...\nAssistant:" shape
 # tinylab's `refuse` task was trained on, after the BOS token.
 PLAIN_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}{{ '\n' }}"
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}: "
+    "{{ m['content'] }}{{ '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -185,11 +193,13 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 
 def _check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, "
+                         f"got {messages!r}")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}] = {m!r}: each message needs a 'role' in {CHAT_ROLES} and a "
-                             "'content' string")
+        if (not isinstance(m, dict) or not isinstance(m.get("content"), str)
+                or m.get("role") not in CHAT_ROLES):
+            raise ValueError(f"messages[{i}] = {m!r}: each message needs a 'role' in {CHAT_ROLES} "
+                             "and a 'content' string")
 
 
 def _compile_chat_template(template: str):
@@ -200,7 +210,8 @@ def _compile_chat_template(template: str):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)

@@ -9,7 +9,8 @@ One `StepReport` per `LLMEngine.step()`:
     ├── time_s      schedule 0.0002 | prefill 0.0041 | decode 0.0013 | sample 0.0007 | other 0.0001
     ├── scheduled   "a" decode  [37, 38)  in 1  out 1  -> token 52
     │               "c" prefill [16, 32)  in 16 out 0            (a chunk: no token yet)
-    ├── queues      waiting ["d"]  running ["a", "c"]  swapped []  preempted []  finished {"b": "stop"}
+    ├── queues      waiting ["d"]  running ["a", "c"]  swapped []  preempted []
+    │               finished {"b": "stop"}
     ├── blocks      16 total, 7 used, 7 free, 2 cached, 5 slots wasted, tables {"a": [0, 3, 4], ...}
     └── events      {"type": "finished", "request_id": "b", "reason": "stop"}, ...
 
@@ -19,31 +20,37 @@ When each part is measured (documented once here, relied on by `engine/viz.py`):
   (or were aborted) during this step, with their reason.
 - `blocks` is the pool as the forward pass saw it: after this step's allocations and preemptions,
   before the requests that finished in this step gave their blocks back (the step's peak).
-  total = used + free + cached, where `cached` blocks are free but cached (prefix caching, chapter 06).
+  total = used + free + cached, where `cached` blocks are free but cached (prefix caching,
+  chapter 06).
 - `events` are in the order they happened, including `arrived` / `aborted` calls made between the
   previous step and this one.
 - `time_s.prefill` / `time_s.decode` split the one batched forward in proportion to the number of
   prefill and decode tokens in it (both kinds share every matmul, so this is an estimate).
 - `start_time` / `end_time` are on the engine's clock (`time.time` unless the engine was given
-  another), the same clock as a request's `arrival_time`, so TTFT = first token's step end - arrival.
+  another), the same clock as a request's `arrival_time`, so
+  TTFT = first token's step end - arrival.
 
 The events (small dicts, `type` first):
 
-    {"type": "arrived",   "request_id", "arrival_time", "num_prompt_tokens", "max_tokens", "priority",
-                          "tenant"}
-    {"type": "admitted",  "request_id", "after_preemption": bool}   (again after a recompute preemption)
+    {"type": "arrived",   "request_id", "arrival_time", "num_prompt_tokens", "max_tokens",
+                          "priority", "tenant"}
+    {"type": "admitted",  "request_id", "after_preemption": bool}
+                          (again after a recompute preemption)
     {"type": "preempted", "request_id", "mode": "recompute" | "swap", "reason"}
     {"type": "swapped_in", "request_id"}
     {"type": "window_freed", "request_id", "blocks"}             sliding window: blocks given back
     {"type": "blocks_moved", "swap_out"|"swap_in"|"copy"|"offload"|"reload": count, ..., "bytes"}
-    {"type": "prefix_hit", "request_id", "num_tokens", "num_query_tokens", "num_host_tokens"}   (prefix
-                          caching on) a request got its blocks: num_tokens of its num_query_tokens were found
-                          in the prefix cache and are not prefilled (0: a miss); num_host_tokens of them came
-                          back from the host tier. Again after a recompute preemption.
-    {"type": "forked",    "request_id", "parent"}      sample i of an n > 1 request, on sample 0's blocks
+    {"type": "prefix_hit", "request_id", "num_tokens", "num_query_tokens", "num_host_tokens"}
+                          (prefix caching on) a request got its blocks: num_tokens of its
+                          num_query_tokens were found in the prefix cache and are not prefilled
+                          (0: a miss); num_host_tokens of them came back from the host tier.
+                          Again after a recompute preemption.
+    {"type": "forked",    "request_id", "parent"}
+                          sample i of an n > 1 request, on sample 0's blocks
     {"type": "aborted",   "request_id", "time"}
-    {"type": "finished",  "request_id", "reason": "stop" | "length" | "error", "error"?}   "error": the
-                          step that ran it raised; its blocks were freed and the engine went on
+    {"type": "finished",  "request_id", "reason": "stop" | "length" | "error", "error"?}
+                          "error": the step that ran it raised; its blocks were freed and the
+                          engine went on
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ class ScheduledRequest:
     """One request's share of this step's forward: tokens at positions [start, end)."""
 
     request_id: str
-    phase: str  # "prefill" (prompt, or prompt + output again after a recompute preemption) or "decode"
+    # "prefill" (prompt, or prompt + output again after a recompute preemption) or "decode"
+    phase: str
     start: int  # first position fed in this step (= tokens already in the KV cache)
     end: int  # one past the last position fed
     tokens_out: int  # tokens sampled this step: 1, or 0 for a prefill chunk that is not the last
@@ -90,11 +98,15 @@ class ScheduledRequest:
 
 @dataclass
 class QueueSnapshot:
-    waiting: list[str] = field(default_factory=list)  # arrived, not running (new or recompute-preempted)
+    # arrived, not running (new or recompute-preempted)
+    waiting: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)  # admitted (holding KV blocks)
-    swapped: list[str] = field(default_factory=list)  # preempted by swap: their KV waits in the CPU pool
-    preempted: list[str] = field(default_factory=list)  # of waiting + swapped: those that were preempted
-    finished: dict[str, str] = field(default_factory=dict)  # in this step: id -> "stop"/"length"/"abort"/"error"
+    # preempted by swap: their KV waits in the CPU pool
+    swapped: list[str] = field(default_factory=list)
+    # of waiting + swapped: those that were preempted
+    preempted: list[str] = field(default_factory=list)
+    # in this step: id -> "stop"/"length"/"abort"/"error"
+    finished: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,19 +116,23 @@ class BlockSnapshot:
     free: int = 0
     cached: int = 0  # free but cached: held by the prefix cache only (chapter 06; 0 when it is off)
     block_size: int = 0
-    wasted_slots: int = 0  # empty slots inside allocated blocks (the tails of partly filled last blocks)
+    # empty slots inside allocated blocks (the tails of partly filled last blocks)
+    wasted_slots: int = 0
     tables: dict[str, list[int]] = field(default_factory=dict)  # request id -> physical block ids
-    num_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens held in its blocks
+    # request id -> tokens held in its blocks
+    num_tokens: dict[str, int] = field(default_factory=dict)
     swap_total: int = 0  # the CPU-side swap pool (0 when preemption is by recompute)
     swap_used: int = 0
-    cached_block_ids: list[int] = field(default_factory=list)  # the `cached` blocks, next to be evicted first
+    # the `cached` blocks, next to be evicted first
+    cached_block_ids: list[int] = field(default_factory=list)
     host_total: int = 0  # the host tier of the prefix cache (kv_offload_blocks; 0 when off)
     host_used: int = 0  # host blocks holding offloaded K/V
 
 
 @dataclass
 class StepReport:
-    """Everything one `LLMEngine.step()` did; plain data, JSON-serialisable (see the module docstring)."""
+    """Everything one `LLMEngine.step()` did; plain data, JSON-serialisable (see the module
+    docstring)."""
 
     step: int
     start_time: float
@@ -157,9 +173,9 @@ class StepReport:
 
 @dataclass
 class RequestTimes:
-    """One request's life as read back from a trace (times on the engine's clock, seconds): the facts
-    only. The latencies they imply (TTFT, TPOT, ITL, E2E, queueing) are computed in `engine/companions/metrics.py`
-    (`requests_from_trace`), and nowhere else."""
+    """One request's life as read back from a trace (times on the engine's clock, seconds): the
+    facts only. The latencies they imply (TTFT, TPOT, ITL, E2E, queueing) are computed in
+    `engine/companions/metrics.py` (`requests_from_trace`), and nowhere else."""
 
     request_id: str
     arrival_time: float
@@ -223,7 +239,8 @@ class Trace:
     def state_at(self, request_id: str, i: int) -> str:
         """What `request_id` was doing at step i: one of `STATES`.
 
-        "stalled" is running (holding blocks) but not scheduled in this step (e.g. no token budget left).
+        "stalled" is running (holding blocks) but not scheduled in this step (e.g. no token budget
+        left).
         """
         report = self.steps[i]
         for s in report.scheduled:
@@ -238,7 +255,8 @@ class Trace:
             return "preempted" if request_id in q.preempted else "waiting"
         if request_id in q.running:
             return "stalled"
-        return "finished" if any(request_id in s.queues.finished for s in self.steps[:i]) else "absent"
+        return ("finished" if any(request_id in s.queues.finished for s in self.steps[:i])
+                else "absent")
 
 
 def _apply_event(out: dict[str, RequestTimes], e: dict, i: int, report: StepReport) -> None:
@@ -247,7 +265,8 @@ def _apply_event(out: dict[str, RequestTimes], e: dict, i: int, report: StepRepo
         out[rid] = RequestTimes(rid, e["arrival_time"], i, e["num_prompt_tokens"])
     elif kind == "forked" and e["parent"] in out:
         parent = out[e["parent"]]
-        out[rid] = RequestTimes(rid, parent.arrival_time, parent.arrival_step, parent.num_prompt_tokens)
+        out[rid] = RequestTimes(rid, parent.arrival_time, parent.arrival_step,
+                                parent.num_prompt_tokens)
     elif rid not in out:
         return
     elif kind == "preempted":

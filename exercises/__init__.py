@@ -2,9 +2,9 @@
 
 Each chapter NN has three files, found by name:
 
-    exercises/chNN_<topic>.py             your file: stubs that raise NotImplementedError with a hint
-    exercises/solutions/chNN_<topic>.py   the reference answers, same signatures
-    exercises/checks/chNN.py              the checks, written once and run against either of them
+    exercises/chNN_<topic>.py            your file: stubs raising NotImplementedError with a hint
+    exercises/solutions/chNN_<topic>.py  the reference answers, same signatures
+    exercises/checks/chNN.py             the checks, written once and run against either of them
 
 A check is a top-level function `check_<claim>(module)` in the checks file; it raises (usually an
 AssertionError saying what went wrong) when the module gets something wrong. We run them in the
@@ -34,12 +34,14 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CHAPTER_RE = re.compile(r"(?:ch)?(\d{1,2})")  # "ch01", "01" and "1" all name chapter 01
 CHECK_PREFIX = "check_"
 
-__all__ = ["CheckResult", "exercise_path", "list_chapters", "load_checks", "load_module", "run_checks"]
+__all__ = ["CheckResult", "exercise_path", "list_chapters", "load_checks", "load_module",
+           "run_checks"]
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    name: str  # the check's function name without "check_": a claim, e.g. "top_p_keeps_the_boundary_token"
+    # the check's function name without "check_": a claim, e.g. "top_p_keeps_the_boundary_token"
+    name: str
     passed: bool
     reason: str = ""  # why it failed; empty when it passed
 
@@ -70,7 +72,8 @@ def exercise_path(chapter: str | int, solutions: bool = False) -> Path:
     folder = PACKAGE_DIR / "solutions" if solutions else PACKAGE_DIR
     matches = sorted(folder.glob(f"{name}_*.py"))
     if len(matches) != 1:
-        raise FileNotFoundError(f"expected exactly one {folder}/{name}_<topic>.py, found {len(matches)}")
+        raise FileNotFoundError(f"expected exactly one {folder}/{name}_<topic>.py, "
+                                f"found {len(matches)}")
     return matches[0]
 
 
@@ -105,12 +108,14 @@ def _source_files(target) -> set[str]:
 
 def _where_in(err: Exception, files: set[str]) -> str:
     """`path:line in function: source` of the last traceback frame inside `files`, or ""."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if str(Path(f.filename).resolve()) in files]
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if str(Path(f.filename).resolve()) in files]
     if not frames:
         return ""
     frame = frames[-1]
     path = Path(frame.filename).resolve()
-    shown = path.relative_to(PACKAGE_DIR.parent) if path.is_relative_to(PACKAGE_DIR.parent) else path
+    shown = (path.relative_to(PACKAGE_DIR.parent) if path.is_relative_to(PACKAGE_DIR.parent)
+             else path)
     return f"{shown}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 

@@ -15,7 +15,8 @@ import sys
 from exercises import PACKAGE_DIR, CheckResult, exercise_path, list_chapters, run_checks
 
 RESULT_COLUMN = 8  # wide enough for "result" plus a gap
-SAME_AS_ABOVE = '" (same as above)'  # a stub's hint is shown once, not once per check of that function
+# a stub's hint is shown once, not once per check of that function
+SAME_AS_ABOVE = '" (same as above)'
 
 
 def format_table(results: list[CheckResult]) -> str:
@@ -46,12 +47,14 @@ def check(chapter: str, solutions: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exercises", description="Check the chapter exercises.")
+    parser = argparse.ArgumentParser(prog="python -m exercises",
+                                     description="Check the chapter exercises.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="list the chapters that have exercises")
     run = commands.add_parser("check", help="run a chapter's checks and print a table")
     run.add_argument("chapter", help="e.g. ch01 (or 1)")
-    run.add_argument("--solutions", action="store_true", help="check the reference solutions instead")
+    run.add_argument("--solutions", action="store_true",
+                     help="check the reference solutions instead")
     args = parser.parse_args(argv)
     if args.command == "list":
         for chapter in list_chapters():

@@ -25,7 +25,8 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (and any tied with the k-th); 0, -1 or k >= V: keep all."""
+    """Keep the k largest logits of each row (and any tied with the k-th);
+    0, -1 or k >= V: keep all."""
     raise NotImplementedError(
         "what is the k-th largest logit of each row (torch.topk can tell you)? Which tokens lie "
         "below it? Mind the tokens tied with it, and the values of k that mean 'off'")
@@ -47,11 +48,12 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """Drop the tokens whose probability is below min_p times the top token's probability."""
     raise NotImplementedError(
-        "the threshold is relative to each row's most likely token: a batch has one threshold per row")
+        "the threshold is relative to each row's most likely token: a batch has one threshold "
+        "per row")
 
 
-def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor], prompt_ids: Sequence[int],
-                   max_new_tokens: int, eos_id: int) -> list[int]:
+def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor],
+                   prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int) -> list[int]:
     """Greedy decoding with no cache, returning only the new token ids (eos included if produced).
 
     Every step: call next_token_logits_fn on the WHOLE sequence so far (prompt + new tokens) to get

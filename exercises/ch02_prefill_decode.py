@@ -1,4 +1,5 @@
-"""Chapter 02 exercises: the FLOPs and bytes of one decode step, and where that puts it on a roofline.
+"""Chapter 02 exercises: the FLOPs and bytes of one decode step,
+and where that puts it on a roofline.
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 
@@ -37,7 +38,8 @@ def decode_step_bytes(weight_params: int, layers: int, kv_heads: int, head_dim: 
     """
     raise NotImplementedError(
         "weights once (not once per sequence!) + the KV read for context_tokens tokens + the KV "
-        "write for 1 token, each KV term being 2 * layers * batch * tokens * kv_heads * head_dim * kv_bytes")
+        "write for 1 token, each KV term being "
+        "2 * layers * batch * tokens * kv_heads * head_dim * kv_bytes")
 
 
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
@@ -48,4 +50,5 @@ def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
 def classify(intensity: float, peak_flops: float, bandwidth_bytes_per_s: float) -> str:
     """"compute-bound" at or right of the ridge point (peak / bandwidth), else "bandwidth-bound"."""
     raise NotImplementedError(
-        "the ridge point is peak_flops / bandwidth_bytes_per_s FLOP per byte; compare the intensity with it")
+        "the ridge point is peak_flops / bandwidth_bytes_per_s FLOP per byte; "
+        "compare the intensity with it")

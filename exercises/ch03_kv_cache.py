@@ -5,8 +5,8 @@ Replace each `raise NotImplementedError(...)` with your code, then run
     python -m exercises check ch03
 
 Notation: L layers, B batch (sequences), T tokens, S slots of a cache, Hkv KV heads, D head dim.
-The engine's versions live in engine/companions/memory.py and engine/companions/kv_cache.py; try not to peek until the
-checks pass.
+The engine's versions live in engine/companions/memory.py and engine/companions/kv_cache.py; try not
+to peek until the checks pass.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 def kv_cache_bytes(layers: int, batch: int, tokens: int, kv_heads: int, head_dim: int,
                    dtype_bytes: float) -> float:
-    """M_KV = 2 * L * B * T * Hkv * D * b: the bytes of K and V for every layer, sequence and token."""
+    """M_KV = 2 * L * B * T * Hkv * D * b:
+    the bytes of K and V for every layer, sequence and token."""
     raise NotImplementedError("multiply the factors together; the 2 is for K and V")
 
 
@@ -32,11 +33,13 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k_new: torch.Tensor, 
     must keep its value. Return nothing: the caller's tensors are the cache.
     """
     raise NotImplementedError(
-        "index with two tensors: rows = torch.arange(B)[:, None] (shape [B, 1]) and positions ([B, T]) "
-        "broadcast to pick B x T slots; assign k_new to cache_k[rows, positions] (no torch.cat)")
+        "index with two tensors: rows = torch.arange(B)[:, None] (shape [B, 1]) and positions "
+        "([B, T]) broadcast to pick B x T slots; assign k_new to cache_k[rows, positions] "
+        "(no torch.cat)")
 
 
-def max_sequences(gpu_gb: float, weights_gb: float, kv_bytes_per_token: float, context_tokens: int) -> int:
+def max_sequences(gpu_gb: float, weights_gb: float, kv_bytes_per_token: float,
+                  context_tokens: int) -> int:
     """How many sequences of `context_tokens` tokens fit in the KV cache of one card.
 
     The cache gets what the weights leave: (gpu_gb - weights_gb) GB, with GB = 10**9 bytes as on
@@ -45,5 +48,5 @@ def max_sequences(gpu_gb: float, weights_gb: float, kv_bytes_per_token: float, c
     weights leave no room.
     """
     raise NotImplementedError(
-        "bytes left = (gpu_gb - weights_gb) * 10**9; divide by the bytes of one sequence and round down; "
-        "never below 0")
+        "bytes left = (gpu_gb - weights_gb) * 10**9; divide by the bytes of one sequence and round "
+        "down; never below 0")

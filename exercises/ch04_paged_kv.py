@@ -48,7 +48,8 @@ class BlockAllocator:
         raise NotImplementedError("every block is either free or used")
 
     def refcount(self, block: int) -> int:
-        """How many tables hold `block` (0 when free). ValueError for an id outside 0..num_blocks-1."""
+        """How many tables hold `block` (0 when free).
+        ValueError for an id outside 0..num_blocks-1."""
         raise NotImplementedError("what does a Python list answer for index -1? Check the id first")
 
     def allocate(self) -> int:
@@ -62,24 +63,29 @@ class BlockAllocator:
         raise NotImplementedError("decide whether all n fit before you take the first one")
 
     def incref(self, block: int) -> None:
-        """One more table holds `block` (sharing after a fork). ValueError if it is free or unknown."""
+        """One more table holds `block` (sharing after a fork).
+        ValueError if it is free or unknown."""
         raise NotImplementedError("can a table share a block that nobody holds?")
 
     def free(self, block: int) -> bool:
         """One table lets go of `block`; return True when its count reaches 0 and it goes back on
         the free list. ValueError for a block that is already free (a double free) or unknown."""
         raise NotImplementedError(
-            "a shared block has other holders: when may it go back on the free list, and at which end?")
+            "a shared block has other holders: when may it go back on the free list, "
+            "and at which end?")
 
 
-def slot_mapping(block_table: Sequence[int], block_size: int, positions: Sequence[int]) -> list[int]:
+def slot_mapping(block_table: Sequence[int], block_size: int,
+                 positions: Sequence[int]) -> list[int]:
     """The pool slot of each token position: block_table[p // BS] * BS + p % BS."""
-    raise NotImplementedError("which entry of the table holds position p, and where inside that block is it?")
+    raise NotImplementedError("which entry of the table holds position p, and where inside that "
+                              "block is it?")
 
 
 def append_tokens(block_table: Sequence[int], num_tokens: int, new_tokens: int, block_size: int,
                   allocate_fn: Callable[[], int]) -> list[int]:
-    """A sequence holding `num_tokens` tokens in `block_table` gets `new_tokens` more: return its new table.
+    """A sequence holding `num_tokens` tokens in `block_table` gets `new_tokens` more:
+    return its new table.
 
     Take a new block (by calling allocate_fn(), once per block) only when the tokens spill past the
     last block; a partly filled last block is filled first. Do not change `block_table` itself.
@@ -88,20 +94,22 @@ def append_tokens(block_table: Sequence[int], num_tokens: int, new_tokens: int, 
         -> [3, allocate_fn()]
     """
     raise NotImplementedError(
-        "how many blocks do num_tokens + new_tokens tokens need (round which way?), and how many does "
-        "the table hold already?")
+        "how many blocks do num_tokens + new_tokens tokens need (round which way?), and how many "
+        "does the table hold already?")
 
 
-def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: int, block_size: int,
+def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: int,
+                       block_size: int,
                        allocator: BlockAllocator) -> tuple[list[int], list[tuple[int, int]]]:
-    """Fork a sequence (the child shares every block of the parent), then the child writes `new_tokens`.
+    """Fork a sequence (the child shares every block of the parent),
+    then the child writes `new_tokens`.
 
-    `allocator` holds the parent's blocks (an engine.kv.block_manager.BlockAllocator, or yours). Return
-    (child's block table, copies), leaving every refcount right: each block counts the tables that
-    hold it. If the child writes into the shared last block while it is partly filled, it must first
-    get a private copy: allocate a block, put it in place of the last one in the child's table, and
-    report (src, dst) so the caller copies the K/V there. A full last block needs no copy (the new
-    tokens go into new blocks). No new tokens, no copy. Do not change `block_table` itself.
+    `allocator` holds the parent's blocks (an engine.kv.block_manager.BlockAllocator, or yours).
+    Return (child's block table, copies), leaving every refcount right: each block counts the tables
+    that hold it. If the child writes into the shared last block while it is partly filled, it must
+    first get a private copy: allocate a block, put it in place of the last one in the child's
+    table, and report (src, dst) so the caller copies the K/V there. A full last block needs no copy
+    (the new tokens go into new blocks). No new tokens, no copy. Do not change `block_table` itself.
 
         BS = 4, parent [4, 7] with 6 tokens, child writes 1: block 7 holds 2 tokens and is shared
         -> child [4, d], copies [(7, d)] with d = allocator.allocate(); block 4 is held twice,
@@ -113,18 +121,22 @@ def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: 
 
 
 def expected_waste_slots(block_size: int) -> float:
-    """Empty slots in a sequence's last block on average, when lengths spread evenly over offsets."""
-    raise NotImplementedError("the last block holds 1, 2, ..., BS tokens equally often: how many slots stay empty?")
+    """Empty slots in a sequence's last block on average,
+    when lengths spread evenly over offsets."""
+    raise NotImplementedError("the last block holds 1, 2, ..., BS tokens equally often: how many "
+                              "slots stay empty?")
 
 
 def contiguous_waste(lengths: Sequence[int], max_len: int) -> int:
     """Slots left empty when every sequence reserves max_len slots up front."""
-    raise NotImplementedError("each sequence reserved max_len slots, whatever the others did; how many did it fill?")
+    raise NotImplementedError("each sequence reserved max_len slots, whatever the others did; how "
+                              "many did it fill?")
 
 
 def paged_waste(lengths: Sequence[int], block_size: int) -> int:
     """Slots left empty when each sequence holds just enough blocks of block_size slots."""
-    raise NotImplementedError("how many whole blocks does a sequence of n tokens hold, and how many slots is that?")
+    raise NotImplementedError("how many whole blocks does a sequence of n tokens hold, and how "
+                              "many slots is that?")
 
 
 def concurrency_gain(max_len: int, mean_len: float, block_size: int) -> float:

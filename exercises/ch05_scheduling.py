@@ -25,12 +25,15 @@ from collections.abc import Sequence
 
 
 def schedule_step(running: Sequence[tuple[str, int, int]], waiting: Sequence[tuple[str, int, int]],
-                  token_budget: int, max_num_seqs: int, free_blocks: int) -> tuple[list[str], list[str]]:
-    """One step of a continuous first-come-first-served scheduler (no chunked prefill, no preemption).
+                  token_budget: int, max_num_seqs: int,
+                  free_blocks: int) -> tuple[list[str], list[str]]:
+    """One step of a continuous first-come-first-served scheduler
+    (no chunked prefill, no preemption).
 
     running / waiting: (request_id, num_new_tokens, num_new_blocks), in the order to consider them.
     1. Each running request, in order, runs if its tokens fit in the budget left AND its blocks in
-       the free blocks left (both are then used up); otherwise it sits this step out (still running).
+       the free blocks left (both are then used up); otherwise it sits this step out
+       (still running).
     2. Then waiting requests, in order, are admitted while there is a seat (the running ones plus
        those admitted so far stay below max_num_seqs), budget and blocks. The FIRST one that does
        not fit stops admission: nobody behind it overtakes it.
@@ -80,4 +83,5 @@ def static_idle_fraction(output_lengths: Sequence[int], max_num_seqs: int) -> fl
     Returns 1 - (tokens produced) / (seat-steps held), over all batches.
     ValueError for no lengths, a length < 1 or max_num_seqs < 1.
     """
-    raise NotImplementedError("split into chunks of max_num_seqs, add up seats x longest, and the lengths")
+    raise NotImplementedError("split into chunks of max_num_seqs, add up seats x longest, "
+                              "and the lengths")

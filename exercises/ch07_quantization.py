@@ -1,5 +1,5 @@
-"""Chapter 07 exercises: a per-group int4 quantizer with zero points, a dequantizing GEMV, a granularity
-picked from an error budget, and the bytes behind "smaller is not always faster".
+"""Chapter 07 exercises: a per-group int4 quantizer with zero points, a dequantizing GEMV, a
+granularity picked from an error budget, and the bytes behind "smaller is not always faster".
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 
@@ -34,7 +34,8 @@ def int4_scale_and_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tenso
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
-    """Per-group int4 with zero points: weight [N, K] -> QuantizedWeight(4, packed, scales, zeros, G, (N, K)).
+    """Per-group int4 with zero points:
+    weight [N, K] -> QuantizedWeight(4, packed, scales, zeros, G, (N, K)).
 
     packed is uint8 [N, K // 2]; scales and zeros are fp32 [N, K // G]. Raise ValueError naming
     group_size when G does not divide K (or is odd: a byte must not straddle two groups).
@@ -44,7 +45,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
         "q = round(w / s + z).clamp(0, 15); pack: q[:, 0::2] | (q[:, 1::2] << 4) as uint8")
 
 
-def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(qw)^T (+ bias) -> [..., N], computed in fp32, returned in x.dtype.
 
     Write the dequantization yourself (do not call `dequantize`): int8 codes as they are, int4 codes
@@ -52,15 +54,17 @@ def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     [N, K // G], or [1, 1] for a per-tensor weight.
     """
     raise NotImplementedError(
-        "unpack: low = b & 0xF (input 2j), high = b >> 4 (input 2j + 1); expand scales and zeros to "
-        "[N, K] with repeat_interleave(K // groups, dim=1); w = (q - z) * s; y = x.float() @ w.T")
+        "unpack: low = b & 0xF (input 2j), high = b >> 4 (input 2j + 1); expand scales "
+        "and zeros to [N, K] with repeat_interleave(K // groups, dim=1); w = (q - z) * s; "
+        "y = x.float() @ w.T")
 
 
 def pick_granularity(weight: torch.Tensor, bits: int, max_error: float,
                      candidates=GRANULARITIES) -> str | int:
     """The first (coarsest) of ``candidates`` whose relative error ||W - W_q|| / ||W|| is at most
-    ``max_error``; a group size that does not divide K is skipped. ValueError naming max_error if none
-    meets it. "per-tensor" is quantize(w, bits, per_tensor=True), "per-channel" quantize(w, bits).
+    ``max_error``; a group size that does not divide K is skipped. ValueError naming max_error if
+    none meets it. "per-tensor" is quantize(w, bits, per_tensor=True), "per-channel"
+    quantize(w, bits).
     """
     raise NotImplementedError(
         "for each candidate in order: quantize, measure (dequantize(qw) - w).norm() / w.norm(), "
@@ -68,9 +72,10 @@ def pick_granularity(weight: torch.Tensor, bits: int, max_error: float,
 
 
 def quantized_bytes(n: int, k: int, bits: int, group_size: int) -> int:
-    """Bytes of an [N, K] weight stored as ``bits``-bit codes with groups of ``group_size``: the codes,
-    plus one fp32 scale per group, plus (int4 only) one fp32 zero point per group."""
-    raise NotImplementedError("n * k * bits // 8 for the codes, + n * (k // group_size) * (4 or 4 + 4)")
+    """Bytes of an [N, K] weight stored as ``bits``-bit codes with groups of ``group_size``: the
+    codes, plus one fp32 scale per group, plus (int4 only) one fp32 zero point per group."""
+    raise NotImplementedError("n * k * bits // 8 for the codes, "
+                              "+ n * (k // group_size) * (4 or 4 + 4)")
 
 
 def gemv_bytes_per_output(K: int, bits: int, group_size: int) -> dict[str, int]:

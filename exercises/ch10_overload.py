@@ -1,5 +1,6 @@
-"""Chapter 10 exercises: saying no early (a token bucket, the Retry-After header, the queue caps), sizing a
-cap from a TTFT target, and the first move of the troubleshooting order (compare two halves of a run).
+"""Chapter 10 exercises: saying no early (a token bucket, the Retry-After header, the queue caps),
+sizing a cap from a TTFT target, and the first move of the troubleshooting order
+(compare two halves of a run).
 
 Replace each `raise NotImplementedError(...)` with your code, then run
 
@@ -7,21 +8,24 @@ Replace each `raise NotImplementedError(...)` with your code, then run
 
 The gates in front of the engine (engine/serving/admission.py), checked when a request arrives:
 
-    new request ──► its tenant's token bucket        empty ──────► 429 + Retry-After (that tenant only)
+    new request ──► its tenant's token bucket      empty ─────► 429 + Retry-After (that tenant only)
                 ──► requests in flight >= max_num_queued_reqs ───► 503 + Retry-After (everybody)
                 ──► queued prompt tokens + this prompt > max_num_queued_tokens ──► 503 + Retry-After
                 ──► admitted
 
-A token bucket holds at most `burst` tokens and refills at `rate_per_s` per second, on the clock we are
-GIVEN (`now`, in seconds: a fake clock in a test, the engine's clock in the server; never time.time()):
+A token bucket holds at most `burst` tokens and refills at `rate_per_s` per second, on the clock we
+are GIVEN (`now`, in seconds: a fake clock in a test, the engine's clock in the server;
+never time.time()):
 
     rate 2/s, burst 5, each request costs 1
 
     now   0.0   0.0   0.0   0.0   0.0   0.0          0.5               100.0
-    level 5->4  4->3  3->2  2->1  1->0  0: wait 0.5 s  refilled to 1, 1->0  refilled to 5, not 199: the burst caps it
+    level 5->4  4->3  3->2  2->1  1->0  0: wait 0.5 s  refilled to 1, 1->0  refilled to 5, not 199:
+                                                                            the burst caps it
 
-`TokenBucket` and `arrival_halves` have the engine's names and signatures (engine/serving/admission.py,
-engine/serving/diagnose.py) and the engine's own versions pass the same checks; try not to peek until yours do.
+`TokenBucket` and `arrival_halves` have the engine's names and signatures
+(engine/serving/admission.py, engine/serving/diagnose.py) and the engine's own versions pass the
+same checks; try not to peek until yours do.
 """
 
 from __future__ import annotations
@@ -32,23 +36,29 @@ from engine.serving.diagnose import RequestSplit
 
 
 class TokenBucket:
-    """`burst` tokens at most, refilled at `rate_per_s` per second; it starts full. Time is whatever `now` says."""
+    """`burst` tokens at most, refilled at `rate_per_s` per second; it starts full.
+    Time is whatever `now` says."""
 
     def __init__(self, rate_per_s: float, burst: float):
-        """A ValueError naming the field unless rate_per_s and burst are finite and > 0. Keep both, the
-        level (it starts FULL: a new tenant may send a whole burst at once) and the last `now` seen (none yet)."""
-        raise NotImplementedError("check both numbers, then self.level = burst and self.updated = None")
+        """A ValueError naming the field unless rate_per_s and burst are finite and > 0. Keep both,
+        the level (it starts FULL: a new tenant may send a whole burst at once) and the last `now`
+        seen (none yet)."""
+        raise NotImplementedError("check both numbers, then self.level = burst and "
+                                  "self.updated = None")
 
     def refill(self, now: float) -> None:
-        """Add (now - the last reading) x rate_per_s, but never past `burst`; remember `now`. A reading
-        earlier than the last one (clocks of two threads) adds nothing, and the later reading is kept."""
-        raise NotImplementedError("min(burst, level + elapsed * rate); only when now > the last reading")
+        """Add (now - the last reading) x rate_per_s, but never past `burst`; remember `now`. A
+        reading earlier than the last one (clocks of two threads) adds nothing, and the later
+        reading is kept."""
+        raise NotImplementedError("min(burst, level + elapsed * rate); "
+                                  "only when now > the last reading")
 
     def wait_s(self, amount: float, now: float) -> float:
-        """Seconds until `amount` tokens are there (refill first): 0.0 if they are there now, math.inf if
-        amount > burst (the bucket can never hold that much). This is the 429's Retry-After, in seconds."""
-        raise NotImplementedError("the missing tokens are amount - level; how long does the refill take "
-                                  "to bring them? (never below 0)")
+        """Seconds until `amount` tokens are there (refill first): 0.0 if they are there now,
+        math.inf if amount > burst (the bucket can never hold that much). This is the 429's
+        Retry-After, in seconds."""
+        raise NotImplementedError("the missing tokens are amount - level; how long does the refill "
+                                  "take to bring them? (never below 0)")
 
     def take(self, amount: float, now: float) -> None:
         """Pay `amount` tokens (refill first). It does not check: call wait_s first."""
@@ -59,35 +69,40 @@ def retry_after_header(retry_after_s: float | None) -> str | None:
     """The value of HTTP's `Retry-After` header for a wait of `retry_after_s` seconds.
 
     HTTP counts whole seconds: round UP (a client that obeys it is never early) and say at least 1.
-    retry_after_header(0.25) == "1", retry_after_header(2.4) == "3". None (no header) when retry_after_s
-    is None or math.inf: the request is bigger than the bucket, waiting would not help.
+    retry_after_header(0.25) == "1", retry_after_header(2.4) == "3".
+    None (no header) when retry_after_s is None or math.inf: the request is bigger than the bucket,
+    waiting would not help.
     """
-    raise NotImplementedError("which rounding never makes a client come back early? And what does round(0.25) "
-                              "tell it?")
+    raise NotImplementedError("which rounding never makes a client come back early? And what does "
+                              "round(0.25) tell it?")
 
 
 def queue_cap_rejection(num_requests: int, num_queued_tokens: int, num_prompt_tokens: int,
-                        max_num_queued_reqs: int | None, max_num_queued_tokens: int | None) -> str | None:
+                        max_num_queued_reqs: int | None,
+                        max_num_queued_tokens: int | None) -> str | None:
     """Which cap a new request of `num_prompt_tokens` would break, or None to admit it.
 
-    The server holds `num_requests` requests (waiting or running) and `num_queued_tokens` prompt tokens still
-    to prefill. A cap of None is no cap. In this order:
-      "max_num_queued_reqs"    when num_requests is already AT the cap (the new one would be one too many);
-      "max_num_queued_tokens"  when the queued tokens plus this prompt go PAST the cap; but a prompt that
-                               arrives when nothing is queued always gets in (else a prompt longer than
-                               the cap could never be served).
+    The server holds `num_requests` requests (waiting or running) and `num_queued_tokens` prompt
+    tokens still to prefill. A cap of None is no cap. In this order:
+      "max_num_queued_reqs"    when num_requests is already AT the cap (the new one would be one
+                               too many);
+      "max_num_queued_tokens"  when the queued tokens plus this prompt go PAST the cap; but a
+                               prompt that arrives when nothing is queued always gets in (else a
+                               prompt longer than the cap could never be served).
     """
-    raise NotImplementedError("at the cap or past it? Check requests first, count this prompt with the "
-                              "queued tokens, and mind an empty queue")
+    raise NotImplementedError("at the cap or past it? Check requests first, count this prompt with "
+                              "the queued tokens, and mind an empty queue")
 
 
 def max_num_queued_tokens_for(ttft_target_s: float, prefill_tokens_per_s: float) -> int:
-    """The `max_num_queued_tokens` to set so a new request waits at most about `ttft_target_s` seconds.
+    """The `max_num_queued_tokens` to set so a new request waits at most
+    about `ttft_target_s` seconds.
 
-    A new request waits for the prompt tokens queued ahead of it to be prefilled, at prefill_tokens_per_s:
-    the largest whole number of tokens prefilled within the target (round DOWN: one more token would break
-    it), and at least 1 (the engine refuses a cap of 0). A ValueError naming the field unless both are
-    finite and > 0. max_num_queued_tokens_for(0.5, 4000) == 2000.
+    A new request waits for the prompt tokens queued ahead of it to be prefilled, at
+    prefill_tokens_per_s: the largest whole number of tokens prefilled within the target (round
+    DOWN: one more token would break it), and at least 1 (the engine refuses a cap of 0). A
+    ValueError naming the field unless both are finite and > 0.
+    max_num_queued_tokens_for(0.5, 4000) == 2000.
     """
     raise NotImplementedError("target TTFT x prefill throughput, in seconds and tokens per second, "
                               "rounded down to an int, at least 1")
@@ -96,9 +111,10 @@ def max_num_queued_tokens_for(ttft_target_s: float, prefill_tokens_per_s: float)
 def arrival_halves(splits: list[RequestSplit]) -> tuple[list[RequestSplit], list[RequestSplit]]:
     """The requests that arrived in the first half of the arrival WINDOW, and the rest.
 
-    `splits` are in arrival order (engine.serving.diagnose.request_splits gives them; only `.arrival_time` matters
-    here). The window runs from the first arrival to the last; a request arriving at its middle or later is
-    in the second half. We split by time, not by count, so that a flood in the second half stays there:
+    `splits` are in arrival order (engine.serving.diagnose.request_splits gives them; only
+    `.arrival_time` matters here). The window runs from the first arrival to the last; a request
+    arriving at its middle or later is in the second half. We split by time, not by count, so that a
+    flood in the second half stays there:
 
         arrivals  |  .  .  .  .  .  .  .  .  .  .  .  .:::::::::|
                   first            ^ middle of the window   last
@@ -106,5 +122,5 @@ def arrival_halves(splits: list[RequestSplit]) -> tuple[list[RequestSplit], list
 
     ([], []) for no requests.
     """
-    raise NotImplementedError("find the middle of the window from the first and last arrival times, then "
-                              "put each request on its side of it")
+    raise NotImplementedError("find the middle of the window from the first and last arrival "
+                              "times, then put each request on its side of it")

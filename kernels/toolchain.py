@@ -1,8 +1,10 @@
-"""What a kernel backend needs from the machine, asked in one place: Triton, a CUDA GPU, nvcc, a C compiler.
+"""What a kernel backend needs from the machine, asked in one place: Triton, a CUDA GPU, nvcc, a C
+compiler.
 
-Every kernel folder (`paged_attention/`, `flash_prefill/`, `quant_matmul/`) picks a backend by name and falls
-back to its PyTorch reference with a warning that says why the chosen one cannot run; the reasons, and the
-nvcc call that reports a kernel's registers and spills, live here so that they are written once.
+Every kernel folder (`paged_attention/`, `flash_prefill/`, `quant_matmul/`) picks a backend by name
+and falls back to its PyTorch reference with a warning that says why the chosen one cannot run; the
+reasons, and the nvcc call that reports a kernel's registers and spills, live here so that they are
+written once.
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ from pathlib import Path
 NVCC_TIMEOUT_S = 300  # a cold nvcc on a slow laptop; it usually takes a couple of seconds
 CC_TIMEOUT_S = 120  # a C kernel compiles in about a second
 C_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11")
-AVX2_FLAGS = ("-mavx2", "-mfma")  # added where torch reports the CPU can run AVX2 (torch.backends.cpu)
-# AVX-512 VNNI's one-instruction byte dot product (vpdpbusd) on 256-bit registers, where /proc/cpuinfo lists
-# every one of these flags (AMD Zen 4, Intel Ice Lake and later); the compiler flags that enable it:
+# added where torch reports the CPU can run AVX2 (torch.backends.cpu)
+AVX2_FLAGS = ("-mavx2", "-mfma")
+# AVX-512 VNNI's one-instruction byte dot product (vpdpbusd) on 256-bit registers, where
+# /proc/cpuinfo lists every one of these flags (AMD Zen 4, Intel Ice Lake and later); the compiler
+# flags that enable it:
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
-LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)  # a header of ours, e.g. "../cpu_vectors.h"
+# a header of ours, e.g. "../cpu_vectors.h"
+LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 CACHE_ENV = "SERVELAB_CACHE"  # where compiled C kernels are kept (default ~/.cache/servelab)
 
 
 def why_triton_cannot_run(device, triton_module: str) -> str | None:
-    """None if the Triton kernels of `triton_module` (e.g. "kernels.paged_attention.triton") can run on tensors
-    on `device`, else the reason. On a CPU they run only in Triton's interpreter (TRITON_INTERPRET=1)."""
+    """None if the Triton kernels of `triton_module` (e.g. "kernels.paged_attention.triton") can run
+    on tensors on `device`, else the reason. On a CPU they run only in Triton's interpreter
+    (TRITON_INTERPRET=1)."""
     try:
         module = importlib.import_module(triton_module)
     except (ImportError, RuntimeError) as err:  # triton not installed, or broken
@@ -54,8 +60,9 @@ def why_cuda_cannot_run(device) -> str | None:
 
 
 def ptxas_lines(cu_file: Path, arch: str) -> list[str]:
-    """Compile `cu_file` for `arch` with ``nvcc -cubin -Xptxas -v`` (no GPU needed) and return ptxas's lines:
-    registers, spills and barriers of every kernel. Raises RuntimeError when nvcc is missing or fails."""
+    """Compile `cu_file` for `arch` with ``nvcc -cubin -Xptxas -v`` (no GPU needed) and return
+    ptxas's lines: registers, spills and barriers of every kernel. Raises RuntimeError when nvcc is
+    missing or fails."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit to get a resource report")
@@ -70,7 +77,8 @@ def ptxas_lines(cu_file: Path, arch: str) -> list[str]:
 
 
 def demangle(text: str) -> str:
-    """C++ kernel names made readable with c++filt (or cu++filt) where one exists; the text as it is otherwise."""
+    """C++ kernel names made readable with c++filt (or cu++filt) where one exists; the text as it is
+    otherwise."""
     cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
     if cxxfilt is None:
         return text
@@ -80,7 +88,8 @@ def demangle(text: str) -> str:
 
 def chosen_backend(backend: str, backends: tuple, device, triton_module: str, what: str) -> str:
     """The backend that will really run for tensors on `device`: `backend` itself, or "torch" with a
-    RuntimeWarning that says why (`what` names the op in the message). Unknown names are a ValueError."""
+    RuntimeWarning that says why (`what` names the op in the message). Unknown names are a
+    ValueError."""
     import warnings
 
     if backend not in backends:
@@ -98,20 +107,23 @@ def chosen_backend(backend: str, backends: tuple, device, triton_module: str, wh
 
 
 def build_cuda_extension(name: str, cu_file: Path, what: str):
-    """Compile `cu_file` into a PyTorch extension (or load it from torch's build cache): needs a CUDA GPU, a CUDA
-    build of torch, nvcc and ninja. Callers cache the module (`functools.cache`), so it compiles once per process."""
+    """Compile `cu_file` into a PyTorch extension (or load it from torch's build cache): needs a
+    CUDA GPU, a CUDA build of torch, nvcc and ninja. Callers cache the module (`functools.cache`),
+    so it compiles once per process."""
     import torch
     from torch.utils import cpp_extension
 
     if not torch.cuda.is_available():
         raise RuntimeError(f"the CUDA {what} needs a CUDA GPU and a CUDA build of torch")
     if not cpp_extension.is_ninja_available():
-        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: pip install ninja")
+        raise RuntimeError("torch.utils.cpp_extension needs ninja to build the kernel: "
+                           "pip install ninja")
     return cpp_extension.load(name=name, sources=[str(cu_file)],
-                              extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"], verbose=False)
+                              extra_cuda_cflags=["-O3", "-DSERVELAB_TORCH_EXTENSION"],
+                              verbose=False)
 
 
-# ---- C kernels for the CPU ---------------------------------------------------------------------------
+# ---- C kernels for the CPU -----------------------------------------------------------------------
 
 
 def c_compiler() -> str | None:
@@ -120,9 +132,10 @@ def c_compiler() -> str | None:
 
 
 def c_flags() -> tuple[str, ...]:
-    """Flags for this machine: AVX2 and FMA where torch says the CPU has them (and AVX-512 VNNI where the CPU
-    lists it), plain C otherwise. The flags are part of the compiled library's cache key, so a cache folder
-    that moves to another CPU never hands it a library built for instructions it lacks."""
+    """Flags for this machine: AVX2 and FMA where torch says the CPU has them (and AVX-512 VNNI
+    where the CPU lists it), plain C otherwise. The flags are part of the compiled library's cache
+    key, so a cache folder that moves to another CPU never hands it a library built for instructions
+    it lacks."""
     import torch
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -147,8 +160,8 @@ def kernel_cache_dir() -> Path:
 
 
 def why_cannot_load(load) -> str | None:
-    """None if `load()` (a kernel module's compile-and-load function) succeeds, else the first line of why not:
-    no compiler, a failed compile, a library the loader refuses."""
+    """None if `load()` (a kernel module's compile-and-load function) succeeds, else the first line
+    of why not: no compiler, a failed compile, a library the loader refuses."""
     try:
         load()
     except (RuntimeError, OSError, FileNotFoundError, TimeoutError) as err:
@@ -157,25 +170,28 @@ def why_cannot_load(load) -> str | None:
 
 
 def cached_library(load_library):
-    """(library, why_library_cannot_load) for a kernel module whose `load_library(flags=None)` compiles and loads
-    its C file: `library()` is that library with this machine's flags, built once per process;
-    `why_library_cannot_load()` is None where it builds and loads, else the reason (asked once)."""
+    """(library, why_library_cannot_load) for a kernel module whose `load_library(flags=None)`
+    compiles and loads its C file: `library()` is that library with this machine's flags, built once
+    per process; `why_library_cannot_load()` is None where it builds and loads, else the reason
+    (asked once)."""
     library = functools.cache(lambda: load_library())
     return library, functools.cache(lambda: why_cannot_load(library))
 
 
 def source_with_headers(c_file: Path) -> bytes:
-    """The C file's text followed by that of every header of ours it includes ("...", beside it): what the
-    compiled library's cache key hashes, so that editing a shared header rebuilds every kernel that uses it."""
+    """The C file's text followed by that of every header of ours it includes ("...", beside it):
+    what the compiled library's cache key hashes, so that editing a shared header rebuilds every
+    kernel that uses it."""
     source = Path(c_file).read_bytes()
     return source + b"".join((Path(c_file).parent / name.decode()).read_bytes()
                              for name in LOCAL_INCLUDE.findall(source))
 
 
 def build_c_library(c_file: Path, what: str, flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """Compile `c_file` into a shared library (once per source, flags and compiler: the result is cached on
-    disk) and load it with ctypes. torch must be imported first so that the library's OpenMP is torch's own.
-    `flags` None: `c_flags()`. Raises RuntimeError with the reason when there is no compiler or it fails."""
+    """Compile `c_file` into a shared library (once per source, flags and compiler: the result is
+    cached on disk) and load it with ctypes. torch must be imported first so that the library's
+    OpenMP is torch's own. `flags` None: `c_flags()`. Raises RuntimeError with the reason when there
+    is no compiler or it fails."""
     cc = c_compiler()
     if cc is None:
         raise RuntimeError(f"the C {what} needs a C compiler (cc or gcc on PATH, or $CC)")
@@ -185,13 +201,15 @@ def build_c_library(c_file: Path, what: str, flags: tuple[str, ...] | None = Non
     out = kernel_cache_dir() / f"{Path(c_file).stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")  # then renamed: parallel test workers never see half a file
+        # then renamed: parallel test workers never see half a file
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cc, *flags, "-o", str(tmp), str(c_file)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CC_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"compiling the C {what} took over {CC_TIMEOUT_S} s ({' '.join(cmd)})") from None
+            raise RuntimeError(f"compiling the C {what} took over {CC_TIMEOUT_S} s "
+                               f"({' '.join(cmd)})") from None
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"compiling the C {what} failed ({' '.join(cmd)}):\n{proc.stderr}")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.companions.naive import generate_naive
 from engine.config import ModelConfig
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import LlamaModel
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 
 VOCAB = 101

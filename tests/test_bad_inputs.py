@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import CONTEXT, VOCAB, random_model
 
+from engine.companions.naive import generate_naive
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
+from engine_fixtures import CONTEXT, VOCAB, random_model
 
 GOOD_PROMPT = [5, 17, 42, 3]
 GOOD_PARAMS = SamplingParams(temperature=0, max_tokens=5)

@@ -12,6 +12,9 @@ import statistics
 import pytest
 
 from engine.__main__ import main
+from engine.companions.metrics import SLO, RequestTiming, requests_from_trace, std
+from engine.llm_engine import LLMEngine, engine_config
+from engine.loading.loader import load_model
 from engine.serving.bench_serve import (
     RequestResult,
     add_arguments,
@@ -22,9 +25,6 @@ from engine.serving.bench_serve import (
     random_requests,
     result_dict,
 )
-from engine.llm_engine import LLMEngine, engine_config
-from engine.loading.loader import load_model
-from engine.companions.metrics import SLO, RequestTiming, requests_from_trace, std
 from engine.serving.server import BackgroundServer, build_app
 
 MODEL = "tinylab"

@@ -16,8 +16,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from engine import LLM, SamplingParams, load_model
 from engine.__main__ import main, stream_reply
-from engine.loading.gguf import gguf_model_folder
 from engine.llm_engine import LLMEngine
+from engine.loading.gguf import gguf_model_folder
 from engine.tokenizer import PLAIN_CHAT_TEMPLATE, render_chat_template
 
 REAL = "smollm2-135m-instruct"

@@ -9,12 +9,12 @@ import time
 
 import httpx
 import pytest
-from engine_fixtures import mixed_workload, random_model
 
-from engine.serving.dashboard import CACHED, LiveStats, attach_dashboard, replay_app
 from engine.llm_engine import LLMEngine, engine_config
+from engine.serving.dashboard import CACHED, LiveStats, attach_dashboard, replay_app
 from engine.serving.server import BackgroundServer, build_app
 from engine.trace import Trace
+from engine_fixtures import mixed_workload, random_model
 
 
 def run_with_stats(**options):

@@ -5,13 +5,13 @@ import re
 
 import pytest
 import torch
-from engine_fixtures import random_model
 
 from engine.lab import demo as demo_engine
 from engine.lab.demo import format_step, kv_bar, step_through_demo
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
+from engine_fixtures import random_model
 
 DEMO_STEPS = 12  # the bundled model's demo preempts at step 8; 12 steps show it and stay quick
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from engine.__main__ import main as cli
-from engine.serving.diagnose import PERPLEXITY_GROWTH, QUALITY_DROP, diagnose, request_splits
 from engine.lab.incidents import run_scenario, scenarios, usable_vocab
 from engine.loading.loader import load_model
+from engine.serving.diagnose import PERPLEXITY_GROWTH, QUALITY_DROP, diagnose, request_splits
 from engine.trace import Trace
 
 EXPECTED = {  # scenario -> the rule that must explain it

@@ -16,13 +16,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from engine_fixtures import VOCAB, random_model
 
 from engine import llm_engine, runner
-from engine.llm_engine import LLMEngine, engine_config
 from engine.companions.naive import generate_naive
+from engine.llm_engine import LLMEngine, engine_config
 from engine.request import RUNNING, SWAPPED, WAITING
 from engine.sampling import SamplingParams
+from engine_fixtures import VOCAB, random_model
 
 NUM_TRIALS = 30  # about 10 s on one core
 MAX_STEPS = 1000  # far above what a trial needs: a stuck engine fails instead of hanging

@@ -4,9 +4,9 @@ int8 K/V, a sliding window and the host tier; greedy outputs equal the naive loo
 
 import pytest
 
+from engine.companions.naive import generate_naive
 from engine.llm_engine import LLMEngine, engine_config
 from engine.loading.loader import load_model
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

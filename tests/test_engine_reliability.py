@@ -6,15 +6,15 @@ import functools
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, random_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine import llm_engine, runner
+from engine.companions.naive import generate_naive
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
+from engine_fixtures import VOCAB, random_model
 
 MAX_STEPS = 2000  # far above what any example needs: a stuck engine fails instead of hanging
 BLOCK_SIZE = 4

@@ -45,8 +45,10 @@ def _m(chapter, function, mistake, old, new, caught_by):
 
 OLD_TOP_P = '''    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
     sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [..., V]
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)  # [..., 1]: the boundary token is the last one
+    # mass of the more likely tokens
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    # [..., 1]: the boundary token is the last one
+    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)
     boundary = sorted_logits.gather(-1, n_keep - 1)  # [..., 1], the boundary token's logit
     return logits.masked_fill(logits < boundary, NEG_INF)  # comparing values keeps every tie'''
 BY_SORT_POSITION = '''    sorted_probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
@@ -246,7 +248,7 @@ MUTANTS = [
        "    for block in child:  # the fork: one more table holds each block\n        allocator.incref(block)\n", "",
        "fork_copies_a_shared_partly_filled_last_block"),
     _m("ch04", "fork_copy_on_write", "keeps its reference to the swapped-out block (a leak)",
-       "        allocator.free(child[-1])  # the child lets go of the shared block; the parent still holds it\n", "",
+       "        allocator.free(child[-1])  # the child lets go; the parent still holds the shared block\n", "",
        "fork_copies_a_shared_partly_filled_last_block"),
     _m("ch04", "fork_copy_on_write", "frees the shared block for everyone", "        allocator.free(child[-1])  #",
        "        allocator.free(child[-1])\n        allocator.free(child[-1])  #",
@@ -481,8 +483,8 @@ MUTANTS = [
        "    start = rank * -(-n_in // world)\n    stop = min(start - (-n_in // world), n_in)\n",
        "row_shards_tile_the_weight_as_evenly_as_can_be"),
     _m("ch08", "tensor_parallel_linear", "the bias on every rank in the row split",
-       "w)  # [..., out]: this rank's partial sum\n"
-       "            total = partial if total is None else total + partial  # the all-reduce adds the W partial sums\n"
+       "w)\n"
+       "            total = partial if total is None else total + partial  # all-reduce adds W partial sums\n"
        "            start += w.shape[1]\n        return total if bias is None else total + bias",
        "w, bias)\n            total = partial if total is None else total + partial\n"
        "            start += w.shape[1]\n        return total", "row_parallel_linear_adds_the_bias_once"),

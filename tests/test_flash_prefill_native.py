@@ -4,12 +4,12 @@ on the same inputs; the engine's greedy outputs with it equal the reference back
 
 import pytest
 import torch
-from test_flash_prefill import assert_close
 
 from engine.llm_engine import LLMEngine
 from kernels.flash_prefill import cpu_native, flash_prefill_attention, resolve_backend
 from kernels.flash_prefill.cpu_native import flash_prefill_native, why_library_cannot_load
 from kernels.flash_prefill.reference import causal_attention_naive
+from test_flash_prefill import assert_close
 
 pytestmark = pytest.mark.skipif(why_library_cannot_load() is not None,
                                 reason=f"the C kernel cannot be built here: {why_library_cannot_load()}")
@@ -114,9 +114,8 @@ def test_bad_tensors_are_refused():
 def test_the_engine_sends_a_steps_whole_prompts_in_one_call(monkeypatch):
     """Native backend, several prompts admitted together: one C call per layer takes all of them (counted), and the
     outputs equal the reference backend's."""
-    from engine_fixtures import mixed_workload, random_model, run_engine
-
     import engine.fast.attention as runner
+    from engine_fixtures import mixed_workload, random_model, run_engine
 
     calls = []
     real = runner.flash_prefill_planned

@@ -8,13 +8,13 @@ import copy
 
 import pytest
 import torch
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.fast.fused_projections import fuse_projections, stack_linears
-from engine.model import LlamaModel
 from engine.loading.quantization import QuantLinear, quantize_model
+from engine.model import LlamaModel
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8, 61]])
 

@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType as Q
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine import LLM, SamplingParams, load_model
-from engine.loading import gguf as G
 from engine.companions.naive import full_logits
+from engine.loading import gguf as G
 
 FP32_LOGIT_ATOL = 1e-4  # the bar: same weights, same math, fp32 rounding only
 

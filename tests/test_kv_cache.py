@@ -3,11 +3,17 @@
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.companions.kv_cache import GROW_CHUNK_TOKENS, KVCache, SlidingWindowKVCache, forward_with_cache, generate_cached
+from engine.companions.kv_cache import (
+    GROW_CHUNK_TOKENS,
+    KVCache,
+    SlidingWindowKVCache,
+    forward_with_cache,
+    generate_cached,
+)
 from engine.companions.memory import kv_cache_bytes
-from engine.model import LlamaModel
 from engine.companions.naive import generate_naive
+from engine.config import ModelConfig
+from engine.model import LlamaModel
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

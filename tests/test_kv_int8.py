@@ -8,15 +8,14 @@ K/V through the same quantize-dequantize (for the engine: greedy tokens equal, t
 
 import pytest
 import torch
-from engine_fixtures import random_model
-from test_paged_attention import DEVICE, make_paged_cache
 
+from engine.companions.memory import kv_block_bytes
+from engine.companions.naive import generate_naive
 from engine.config import CacheConfig
 from engine.llm_engine import LLMEngine, engine_config
-from engine.companions.memory import kv_block_bytes
 from engine.model import NoCacheAttention
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
+from engine_fixtures import random_model
 from kernels.paged_attention import paged_decode_attention, write_kv
 from kernels.paged_attention.reference import (
     INT8_MAX,
@@ -24,6 +23,7 @@ from kernels.paged_attention.reference import (
     paged_prefill_attention_ref,
     quantize_kv_int8,
 )
+from test_paged_attention import DEVICE, make_paged_cache
 
 
 def test_quantize_kv_int8_error_is_at_most_half_a_step_per_value():

@@ -3,15 +3,15 @@ back on a hit; greedy outputs never change; no block leaks in either tier; copie
 
 import pytest
 import torch
-from engine_fixtures import random_model
 
-from engine.kv.block_manager import BlockManager, BlockMove, HostBlock
-from engine.config import CacheConfig
-from engine.kv.kv_pool import PagedKVPool
-from engine.llm_engine import LLMEngine, engine_config
 from engine.companions.naive import generate_naive
+from engine.config import CacheConfig
+from engine.kv.block_manager import BlockManager, BlockMove, HostBlock
+from engine.kv.kv_pool import PagedKVPool
 from engine.kv.prefix_cache import block_hashes
+from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
+from engine_fixtures import random_model
 
 BS = 4
 KEY = ("model", None, "public")

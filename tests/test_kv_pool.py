@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from engine_fixtures import CONTEXT, random_model
 
+from engine.companions.memory import kv_cache_bytes
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ModelConfig
 from engine.kv.kv_pool import PagedKVPool, default_kv_cache_memory_bytes, plan_num_blocks
 from engine.llm_engine import LLMEngine, engine_config
-from engine.companions.memory import kv_cache_bytes
+from engine_fixtures import CONTEXT, random_model
 
 GIB = 2**30
 # SmolLM2-135M's shape (its config.json): what `LLM("<folder>")` meets with an 8k context.

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 
 from engine.fast.native_ops import NativeAttention, NativeMLP, NativeRMSNorm
 from engine.model import RMSNorm, apply_rope
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from kernels.layer_ops import (
     argmax_rows_native,
     rms_norm_native,

@@ -5,14 +5,14 @@ import json
 import warnings
 
 import pytest
-from engine_fixtures import CONTEXT, mixed_workload, naive_outputs, random_model, run_engine
 
+from engine.companions.naive import generate_naive
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
 from engine.loading.loader import bundled_model_path
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
 from engine.trace import Trace
+from engine_fixtures import CONTEXT, mixed_workload, naive_outputs, random_model, run_engine
 
 NUM_PROMPTS = 32
 TINY_POOL = dict(num_blocks=24, block_size=4)  # the longest request (60 + 24 tokens) just fits alone

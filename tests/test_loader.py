@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from hf_oracle import save_tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from engine import load_model
 from engine.companions.naive import full_logits
+from hf_oracle import save_tiny_hf_model
 
 
 @pytest.fixture

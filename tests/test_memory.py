@@ -10,8 +10,6 @@ import json
 import pytest
 import torch
 
-from engine.config import MODEL_PRESETS, ModelConfig
-from engine.loading.loader import read_config
 from engine.companions.memory import (
     DTYPE_BYTES,
     GPU_MEMORY_GB,
@@ -26,6 +24,8 @@ from engine.companions.memory import (
     plan_memory,
     weight_bytes,
 )
+from engine.config import MODEL_PRESETS, ModelConfig
+from engine.loading.loader import read_config
 
 GB = 10**9
 

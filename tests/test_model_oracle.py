@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 
 from engine import load_model
 from engine.companions.naive import full_logits
+from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 
 # Max |ours - transformers| over all logits. fp32: the bar. Half precisions: one or two bf16/fp16
 # rounding steps of logits of magnitude ~1 (bf16 has 8 mantissa bits: a step of 2^-8 ≈ 0.004 near 1).

@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, engine_config
 from engine.fast.native_layers import NativeLayers, why_native_layers_cannot_run
+from engine.llm_engine import LLMEngine, engine_config
 from engine.loading.quantization import quantize_model
 from engine.runner import run_model
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from kernels.decoder_layers import decoder_layers_native
 from kernels.decoder_layers import why_library_cannot_load as why_c_cannot_load
 from kernels.quant_matmul.cpu_native import FUSED_MAX_ROWS

@@ -21,11 +21,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.serving.admission import AdmissionLimits, RateLimit
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, engine_config
 from engine.loading.loader import load_model
 from engine.sampling import SamplingParams
+from engine.serving.admission import AdmissionLimits, RateLimit
 from engine.serving.server import BackgroundServer, build_app
 
 MODEL = "tinylab"

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from torch import nn
 
-from engine.fast import packed_linear
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, engine_config
 from engine.companions.naive import generate_naive
+from engine.fast import packed_linear
 from engine.fast.packed_linear import PackedLinear, pack_linears
 from engine.fast.probes import bf16_instructions, onednn_available, use_packed
+from engine.llm_engine import LLMEngine, engine_config
 from engine.loading.quantization import QuantLinear, quantize_model
 from engine.sampling import SamplingParams
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from kernels.gemv import GEMV_MAX_ROWS, why_gemv_cannot_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # max |packed - linear| / max |linear|

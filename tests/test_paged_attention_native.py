@@ -7,12 +7,9 @@ import warnings
 
 import pytest
 import torch
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
-from test_kv_int8 import int8_cache
-from test_paged_attention import GQA, assert_close, make_paged_cache
-from test_sliding_window import windowed_cache
 
 from engine.llm_engine import LLMEngine, engine_config
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from kernels.paged_attention import cpu_native, paged_decode_attention, paged_prefill_attention, resolve_backend
 from kernels.paged_attention.cpu_native import (
     paged_decode_attention_native,
@@ -20,6 +17,9 @@ from kernels.paged_attention.cpu_native import (
     why_native_cannot_run,
 )
 from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from test_kv_int8 import int8_cache
+from test_paged_attention import GQA, assert_close, make_paged_cache
+from test_sliding_window import windowed_cache
 
 pytestmark = pytest.mark.skipif(why_library_cannot_load() is not None,
                                 reason=f"the C kernel cannot be built here: {why_library_cannot_load()}")

@@ -4,14 +4,14 @@ with windows, GQA, int8 pools, ragged lengths; and the engine's greedy outputs e
 
 import pytest
 import torch
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
-from test_kv_int8 import int8_cache
-from test_paged_attention import GQA, assert_close, make_paged_cache
-from test_sliding_window import windowed_cache
 
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.paged_attention.sdpa import plan_prefill, prefill_planned
+from test_kv_int8 import int8_cache
+from test_paged_attention import GQA, assert_close, make_paged_cache
+from test_sliding_window import windowed_cache
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)

@@ -9,7 +9,6 @@ import re
 import pytest
 
 from engine.companions import memory
-from engine.config import MODEL_PRESETS
 from engine.companions.placement import (
     DEVICE_PRESETS,
     INTERCONNECT_PRESETS,
@@ -25,6 +24,7 @@ from engine.companions.placement import (
     stage_layer_counts,
     stage_memory_plans,
 )
+from engine.config import MODEL_PRESETS
 
 GB = 10**9
 BF16 = 2  # bytes

@@ -21,12 +21,12 @@ import torch
 from engine_fixtures import VOCAB, random_model
 from matplotlib.colors import to_rgba
 
-from engine.kv.block_manager import BlockManager
-from engine.config import CacheConfig
-from engine.llm_engine import LLMEngine, engine_config
 from engine.companions.metrics import prefix_cache_stats, trace_metrics
 from engine.companions.naive import generate_naive
+from engine.config import CacheConfig
+from engine.kv.block_manager import BlockManager
 from engine.kv.prefix_cache import PUBLIC_SCOPE, block_hash, block_hashes, cache_key, cache_scope, model_id
+from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 from engine.viz.blocks import CACHED_COLOR, FREE_COLOR, block_snapshot, render_block_grid

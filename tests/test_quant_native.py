@@ -16,7 +16,13 @@ import torch
 
 from engine import LLM, load_model
 from engine.companions.naive import generate_naive
-from engine.loading.quantization import QuantLinear, quantize_lm_head, quantize_model, set_backend, weight_bytes_breakdown
+from engine.loading.quantization import (
+    QuantLinear,
+    quantize_lm_head,
+    quantize_model,
+    set_backend,
+    weight_bytes_breakdown,
+)
 from engine.sampling import SamplingParams
 from kernels import toolchain
 from kernels.quant_matmul import cpu_native, quant_matmul, quant_matmul_ref, quantize

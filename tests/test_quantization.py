@@ -23,7 +23,6 @@ import warnings
 
 import pytest
 import torch
-from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 from torch import nn
 
 from engine import load_model
@@ -41,6 +40,7 @@ from engine.loading.quantization import (
     weight_bytes_breakdown,
 )
 from engine.sampling import SamplingParams
+from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 
 # The third tinylab (trained four times longer than the second) has outlier input channels: plain W8A8 measured
 # 0.074 on it (0.019 with SmoothQuant, tested below) and per-tensor int4 0.202; the other schemes moved little.

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.kv.prefix_cache import block_hashes
 from engine.llm import LLM
 from engine.loading.loader import load_model
 from engine.replicas.replicas import ReplicaError, ReplicaPool
 from engine.replicas.router import LeastOutstanding, PrefixAware, RoundRobin, Router, make_router
-from engine.kv.prefix_cache import block_hashes
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

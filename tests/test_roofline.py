@@ -5,7 +5,6 @@ Expected numbers are worked out by hand in the comments, never copied from the c
 
 import pytest
 
-from engine.config import MODEL_PRESETS, ModelConfig
 from engine.companions.memory import kv_cache_bytes
 from engine.companions.roofline import (
     ForwardCost,
@@ -18,6 +17,7 @@ from engine.companions.roofline import (
     predicted_time,
     ridge_point,
 )
+from engine.config import MODEL_PRESETS, ModelConfig
 
 # A made-up accelerator with H100-like spec numbers: 1e15 FLOP/s, 4e12 B/s -> ridge at 250 FLOP/B.
 SYNTHETIC = MachineRoofline(peak_flops=1e15, bandwidth_bytes_per_s=4e12, dtype="fp16",

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.kv.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.kv.block_manager import BlockManager
 from engine.request import RUNNING, SWAPPED, WAITING, Request
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler

@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import random_model
-from hf_oracle import save_tiny_hf_model
-from test_paged_attention import DEVICE, assert_close, dense_attention, make_paged_cache
 
 from engine import LLM, load_model
+from engine.companions.naive import generate_naive
 from engine.kv.block_manager import BlockManager
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import causal_mask
-from engine.companions.naive import generate_naive
 from engine.sampling import SamplingParams
+from engine_fixtures import random_model
+from hf_oracle import save_tiny_hf_model
 from kernels.paged_attention import NULL_BLOCK, paged_decode_attention
 from kernels.paged_attention.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+from test_paged_attention import DEVICE, assert_close, dense_attention, make_paged_cache
 
 # ---- kernels: only the last W positions are read ---------------------------------------------------
 

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
-from hf_oracle import ORACLE_CONFIGS, save_tiny_hf_model
 
 from engine import load_model
 from engine.companions.naive import generate_naive
 from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledWork
+from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
+from hf_oracle import save_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "engine"
@@ -268,3 +268,51 @@ def test_a_logits_processor_applies_on_the_plain_greedy_path_too(speed):
 def test_a_bad_logits_processor_is_refused_by_name():
     with pytest.raises(ValueError, match="logits_processors"):
         SamplingParams(logits_processors=[3])
+
+
+MAX_FILES_ON_THE_WALK = 14  # the issue's bar: the spine a student steps through, file by file
+
+
+def files_touched_by_one_request(speed: str) -> set[str]:
+    """The files of engine/ and kernels/ whose code runs while one request goes from add_request to done."""
+    from engine import LLM
+
+    llm = LLM("tinylab", speed=speed)
+    touched, root = set(), str(ROOT) + "/"
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if name.startswith(root) and name[len(root):].startswith(("engine/", "kernels/")):
+            touched.add(name[len(root):])
+
+    sys.setprofile(profile)
+    try:
+        llm.engine.add_request("Q: 1+2=", SamplingParams(temperature=0, max_tokens=4))
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    finally:
+        sys.setprofile(None)
+    return touched
+
+
+def test_one_request_in_reference_mode_walks_at_most_fourteen_files_and_no_fast_code():
+    reference, fast = files_touched_by_one_request("reference"), files_touched_by_one_request("fast")
+    assert len(reference) <= MAX_FILES_ON_THE_WALK, sorted(reference)
+    assert not any(f.startswith("engine/fast/") for f in reference), sorted(reference)
+    assert "engine/runner.py" in reference and "engine/model.py" in reference
+    assert any(f.startswith("engine/fast/") for f in fast)  # the control: the probe sees the fast wing
+
+
+@pytest.mark.parametrize("speed, shown", [("reference", "[speed: reference"), ("fast", "[attention: ")])
+def test_the_cli_runs_the_engine_at_speed_and_prints_what_it_chose(speed, shown):
+    done = subprocess.run([sys.executable, "-m", "engine", "generate", "Q: 347+85=", "--max-tokens", "4",
+                           "--speed", speed], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert shown in done.stderr and f"speed={speed}" in done.stdout
+    assert done.stdout.startswith("Q: 347+85=")
+
+
+def test_the_cli_refuses_a_speed_it_does_not_have():
+    done = subprocess.run([sys.executable, "-m", "engine", "generate", "hi", "--speed", "turbo"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode != 0 and "invalid choice: 'turbo'" in done.stderr

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from engine_fixtures import random_model
 
 from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 from engine.threads import SMALL_MODEL_PARAMS, available_cores, default_num_threads, torch_threads, use_threads
+from engine_fixtures import random_model
 
 
 def test_small_models_get_one_thread_and_big_ones_every_core():

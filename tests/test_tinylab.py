@@ -9,6 +9,7 @@ import torch
 
 from engine import load_model
 from engine.companions.kv_cache import generate_cached
+from engine.companions.naive import full_logits, generate_naive
 from engine.lab import tasks
 from engine.lab.eval import evaluate_model
 from engine.lab.training import (
@@ -24,7 +25,6 @@ from engine.lab.training import (
     train,
 )
 from engine.loading.loader import bundled_model_path
-from engine.companions.naive import full_logits, generate_naive
 from engine.sampling import SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden" / "tinylab_greedy.json"

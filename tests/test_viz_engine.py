@@ -2,12 +2,11 @@
 the queues and the block pool of the step asked for; the numbers behind them are right."""
 
 import pytest
-from engine_fixtures import random_model
 from matplotlib.figure import Figure
 
+from engine.companions.metrics import requests_from_trace, trace_metrics
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine, engine_config
-from engine.companions.metrics import requests_from_trace, trace_metrics
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 from engine.viz.engine import (
@@ -25,6 +24,7 @@ from engine.viz.engine import (
     timeline_spans,
     trace_player,
 )
+from engine_fixtures import random_model
 
 # 5 requests of 10 prompt + 12 output tokens (6 blocks of 4 each at the end) in a pool of 12 blocks:
 # two fit at their longest, so the later ones must be preempted as everybody grows.

@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 from matplotlib.figure import Figure
 
+from engine.companions.placement import INTERCONNECT_PRESETS, plan_layout
 from engine.config import MODEL_PRESETS
 from engine.llm import LLM
 from engine.loading.loader import load_model
 from engine.replicas.replicas import ReplicaPool
-from engine.companions.placement import INTERCONNECT_PRESETS, plan_layout
 from engine.sampling import SamplingParams
 from engine.viz.parallel import (
     render_comm_per_token,

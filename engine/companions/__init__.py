@@ -1,6 +1,6 @@
 """Calculators and chapter companions: code a chapter reads or plots, off the request path.
 
-    naive.py      chapter 01's generation loop with no cache: the oracle every cached path must equal
+    naive.py      chapter 01's uncached generation loop: the oracle every cached path must equal
     kv_cache.py   chapter 03's contiguous and sliding-window caches
     memory.py     bytes of weights, KV and activations; capacity planning
     roofline.py   FLOPs, bytes and the roofline of your machine

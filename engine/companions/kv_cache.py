@@ -8,7 +8,8 @@ keep them, and at each new step project only the new token:
                         write k_t, v_t into slot t
 
 Memory, per sequence: 2 (K and V) x L layers x T tokens x Hkv heads x D dims x bytes per element
-(`engine.companions.memory.kv_cache_bytes`). Storing only the Hkv KV heads is what makes GQA/MQA cheaper.
+(`engine.companions.memory.kv_cache_bytes`). Storing only the Hkv KV heads is what makes GQA/MQA
+cheaper.
 
 Layout of `KVCache` (one tensor for K and one for V, all layers):
 
@@ -27,8 +28,8 @@ import math
 import torch
 from torch import Tensor
 
-from engine.model import LlamaModel, causal_mask, repeat_kv
 from engine.companions.naive import GenerationResult, run_loop
+from engine.model import LlamaModel, causal_mask, repeat_kv
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
 
@@ -47,7 +48,8 @@ class KVCache:
             raise ValueError(f"capacity={capacity} must be in [1, max_tokens={self.max_tokens}]")
         self.shape_tail = (cfg.num_key_value_heads, cfg.head_dim)
         self.L, self.B = cfg.num_hidden_layers, batch
-        self.model_window = cfg.sliding_window  # Mistral-style models mask beyond it even when all is cached
+        # Mistral-style models mask beyond it even when all is cached
+        self.model_window = cfg.sliding_window
         self.k = w.new_zeros(self.L, batch, capacity, *self.shape_tail)  # [L, B, cap, Hkv, D]
         self.v = torch.zeros_like(self.k)
         self.length = 0  # tokens cached per sequence
@@ -58,15 +60,18 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache's tensors (what `kv_cache_bytes` predicts for `capacity` tokens)."""
+        """Bytes held by the cache's tensors
+        (what `kv_cache_bytes` predicts for `capacity` tokens)."""
         return self.k.nbytes + self.v.nbytes
 
     def reserve(self, new_tokens: int) -> None:
-        """Make room for `new_tokens` more tokens, growing by whole chunks; refuse past max_tokens."""
+        """Make room for `new_tokens` more tokens, growing by whole chunks;
+        refuse past max_tokens."""
         needed = self.length + new_tokens
         if needed > self.max_tokens:
             raise ValueError(f"KV cache full: {self.length} cached + {new_tokens} new tokens > "
-                             f"max_tokens={self.max_tokens}; shorten the request or use a sliding window")
+                             f"max_tokens={self.max_tokens}; shorten the request or use a sliding "
+                             "window")
         if needed <= self.capacity:
             return
         new_cap = min(self.max_tokens, math.ceil(needed / GROW_CHUNK_TOKENS) * GROW_CHUNK_TOKENS)
@@ -77,11 +82,13 @@ class KVCache:
         self.k, self.v = grown, grown_v
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta=None) -> Tensor:
-        """Attention backend: write the new k, v [B, T, Hkv, D] after the cached ones, attend over all."""
+        """Attention backend: write the new k, v [B, T, Hkv, D] after the cached ones,
+        attend over all."""
         T, start = q.shape[1], self.length
         self.k[layer, :, start:start + T] = k  # in place: no torch.cat
         self.v[layer, :, start:start + T] = v
-        keys, values = self.k[layer, :, :start + T], self.v[layer, :, :start + T]  # [B, start+T, Hkv, D]
+        # [B, start+T, Hkv, D]
+        keys, values = self.k[layer, :, :start + T], self.v[layer, :, :start + T]
         return attend(q, keys, values, causal_mask(T, start + T, self.model_window, q.device))
 
     def advance(self, tokens: int) -> None:
@@ -101,9 +108,11 @@ class SlidingWindowKVCache:
             raise ValueError(f"window must be >= 1, got {window}")
         cfg, w = model.config, model.embed_tokens.weight
         self.window, self.L, self.B = window, cfg.num_hidden_layers, batch
-        self.k = w.new_zeros(self.L, batch, window, cfg.num_key_value_heads, cfg.head_dim)  # [L,B,W,Hkv,D]
+        # [L,B,W,Hkv,D]
+        self.k = w.new_zeros(self.L, batch, window, cfg.num_key_value_heads, cfg.head_dim)
         self.v = torch.zeros_like(self.k)
-        self.slot_pos = torch.full((window,), -1, dtype=torch.long, device=w.device)  # position held by slot
+        # position held by slot
+        self.slot_pos = torch.full((window,), -1, dtype=torch.long, device=w.device)
         self.length = 0
 
     @property
@@ -116,7 +125,8 @@ class SlidingWindowKVCache:
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta=None) -> Tensor:
         T, start, W = q.shape[1], self.length, self.window
         new_pos = torch.arange(start, start + T, device=q.device)
-        keys = torch.cat([self.k[layer], k], dim=1)  # [B, W+T, Hkv, D]: the ring, then the new tokens
+        # [B, W+T, Hkv, D]: the ring, then the new tokens
+        keys = torch.cat([self.k[layer], k], dim=1)
         values = torch.cat([self.v[layer], v], dim=1)
         k_pos = torch.cat([self.slot_pos, new_pos])  # [W+T]
         q_pos = new_pos[:, None]
@@ -134,11 +144,13 @@ class SlidingWindowKVCache:
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v with GQA. q [B,Tq,H,D], keys/values [B,Tk,Hkv,D], mask [Tq,Tk]."""
+    """softmax(q k^T / sqrt(D) + mask) v with GQA.
+    q [B,Tq,H,D], keys/values [B,Tk,Hkv,D], mask [Tq,Tk]."""
     group = q.shape[2] // keys.shape[2]
     keys, values = repeat_kv(keys, group), repeat_kv(values, group)  # [B, Tk, H, D]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)  # [B, H, Tq, D]
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask)  # [B, H, Tq, D]
     return out.transpose(1, 2)  # [B, Tq, H, D]
 
 
@@ -157,7 +169,8 @@ def forward_with_cache(model: LlamaModel, cache: KVCache | SlidingWindowKVCache,
 def generate_cached(model: LlamaModel, tokenizer: Tokenizer | None, prompt: str | list[int],
                     params: SamplingParams | None = None, window: int | None = None,
                     on_text=None) -> GenerationResult:
-    """The same loop as `generate_naive`, but each step feeds only the new token (the cache has the rest)."""
+    """The same loop as `generate_naive`, but each step feeds only the new token
+    (the cache has the rest)."""
     params = params or SamplingParams()
     max_len = model.config.max_position_embeddings
     prompt_ids = encode_prompt(prompt, tokenizer, max_len)
@@ -171,4 +184,5 @@ def generate_cached(model: LlamaModel, tokenizer: Tokenizer | None, prompt: str 
     def step_fn(new_ids: list[int]) -> Tensor:
         return forward_with_cache(model, cache, torch.tensor([new_ids], device=device))[0]  # [V]
 
-    return run_loop(step_fn, prompt_ids, params, tokenizer, eos_ids(model, tokenizer), max_len, on_text)
+    return run_loop(step_fn, prompt_ids, params, tokenizer, eos_ids(model, tokenizer), max_len,
+                    on_text)

@@ -1,10 +1,10 @@
 """Where the GPU's memory goes: weights, the KV cache and activations, counted in bytes.
 
-Chapters 02 and 03 ("KV Cache 的形状与容量" in the text) lean on this file. It knows nothing of
-the engine's model code: a model is described by its `ModelConfig` (the numbers you read off a
-Hugging Face `config.json`; `engine.config.MODEL_PRESETS` holds published ones), and everything here
-is arithmetic on those numbers. That lets a notebook ask "how many 8k-token chats of Llama-3-8B fit
-on an 80 GB card?" without downloading a single weight.
+Chapters 02 and 03 ("KV Cache 的形状与容量" in the text) lean on this file. It knows nothing
+of the engine's model code: a model is described by its `ModelConfig` (the numbers you read off a
+Hugging Face `config.json`; `engine.config.MODEL_PRESETS` holds published ones), and everything
+here is arithmetic on those numbers. That lets a notebook ask "how many 8k-token chats of
+Llama-3-8B fit on an 80 GB card?" without downloading a single weight.
 
 The three consumers of GPU memory while serving, from the largest (usually) to the smallest:
 
@@ -29,8 +29,8 @@ import torch
 from engine.config import ModelConfig
 
 # Bytes per element for the dtypes a serving stack meets. int4 packs two values in a byte.
-# (Quantized formats also carry scales and zero points; we leave those out: they add a few
-# percent and depend on the group size, see engine/loading/quantization.py's weight_bytes_breakdown.)
+# (Quantized formats also carry scales and zero points; we leave those out: they add a few percent
+# and depend on the group size, see engine/loading/quantization.py's weight_bytes_breakdown.)
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5}
 
 # Other spellings people (and torch, and engine/config.py) use for the same dtypes.
@@ -57,11 +57,13 @@ def _check_positive_int(func: str, field: str, value) -> None:
 
 def _check_bytes(func: str, field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in ALLOWED_BYTES:
-        raise ValueError(f"{func}: {field} must be one of {ALLOWED_BYTES} bytes per element, got {value!r}")
+        raise ValueError(f"{func}: {field} must be one of {ALLOWED_BYTES} bytes per element, "
+                         f"got {value!r}")
 
 
 def dtype_bytes(dtype) -> float:
-    """Bytes per element of a dtype given by name ("bf16", "float16", "int4"), torch dtype or number.
+    """Bytes per element of a dtype given by name ("bf16", "float16", "int4"),
+    torch dtype or number.
 
     A number is passed through if it is one of 0.5, 1, 2, 4, so every function taking a dtype
     also accepts plain bytes.
@@ -104,17 +106,21 @@ def kv_cache_bytes(layers: int, batch: int, tokens: int, kv_heads: int, head_dim
     return 2 * layers * batch * tokens * kv_heads * head_dim * half_bytes // 2
 
 
-KV_INT8_SCALE_BYTES = 4  # KV int8 keeps one fp32 scale per token, KV head and K/V (kernels/paged_attention)
+# KV int8 keeps one fp32 scale per token, KV head and K/V (kernels/paged_attention)
+KV_INT8_SCALE_BYTES = 4
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes of one paged KV block: the formula with B = 1 and T = block_size (K and V, every layer);
-    for int8 (``torch.int8`` or "int8") plus the per-token, per-head scales the paged pools keep."""
+    """Bytes of one paged KV block: the formula with B = 1 and T = block_size (K and V, every
+    layer); for int8 (``torch.int8`` or "int8") plus the per-token, per-head scales the paged
+    pools keep."""
     cfg = model_config
-    values = kv_cache_bytes(cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                            dtype_bytes(dtype))
-    if dtype is torch.int8 or (isinstance(dtype, str) and _DTYPE_ALIASES.get(dtype, dtype) == "int8"):
-        values += 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * KV_INT8_SCALE_BYTES
+    values = kv_cache_bytes(cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads,
+                            cfg.head_dim, dtype_bytes(dtype))
+    if dtype is torch.int8 or (isinstance(dtype, str)
+                               and _DTYPE_ALIASES.get(dtype, dtype) == "int8"):
+        values += (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads
+                   * KV_INT8_SCALE_BYTES)
     return values
 
 
@@ -138,8 +144,8 @@ def weight_bytes(config: ModelConfig, dtype) -> int:
 
 def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
     """KV bytes one token adds to one sequence's cache: the formula with B = T = 1."""
-    return kv_cache_bytes(config.num_hidden_layers, 1, 1, config.num_key_value_heads, config.head_dim,
-                          dtype_bytes(dtype))
+    return kv_cache_bytes(config.num_hidden_layers, 1, 1, config.num_key_value_heads,
+                          config.head_dim, dtype_bytes(dtype))
 
 
 def cached_tokens_per_sequence(config: ModelConfig, context_tokens: int) -> int:
@@ -208,13 +214,15 @@ def plan_memory(config: ModelConfig, gpu_bytes: int, weight_dtype, kv_dtype,
     """
     _check_positive_int("plan_memory", "gpu_bytes", gpu_bytes)
     if not 0 <= reserve_fraction < 1:
-        raise ValueError(f"plan_memory: reserve_fraction must be in [0, 1), got {reserve_fraction!r}")
+        raise ValueError("plan_memory: reserve_fraction must be in [0, 1), "
+                         f"got {reserve_fraction!r}")
     weights = weight_bytes(config, weight_dtype)
     reserve = math.ceil(gpu_bytes * reserve_fraction)
     kv_budget = gpu_bytes - reserve - weights
     if kv_budget <= 0:
         raise ValueError(
-            f"{config.name or 'this model'}: the weights alone need {weights / GB:.1f} GB in {weight_dtype}, but a "
+            f"{config.name or 'this model'}: the weights alone need {weights / GB:.1f} GB in "
+            f"{weight_dtype}, but a "
             f"{gpu_bytes / GB:.0f} GB card leaves {(gpu_bytes - reserve) / GB:.1f} GB after the "
             f"{reserve_fraction:.0%} activation reserve; use a larger card, a smaller weight dtype "
             f"(int8 or int4 weights) or split the model over several cards (tensor parallelism)")
@@ -224,14 +232,17 @@ def plan_memory(config: ModelConfig, gpu_bytes: int, weight_dtype, kv_dtype,
 def max_cached_tokens(config: ModelConfig, gpu_bytes: int, weight_dtype, kv_dtype,
                       reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> int:
     """How many tokens of KV cache fit on the card, shared among all sequences."""
-    return plan_memory(config, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction).max_cached_tokens
+    return plan_memory(config, gpu_bytes, weight_dtype, kv_dtype,
+                       reserve_fraction).max_cached_tokens
 
 
-def max_concurrent_sequences(config: ModelConfig, gpu_bytes: int, context_tokens: int, weight_dtype,
-                             kv_dtype, reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> int:
+def max_concurrent_sequences(config: ModelConfig, gpu_bytes: int, context_tokens: int,
+                             weight_dtype, kv_dtype,
+                             reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> int:
     """How many sequences of `context_tokens` tokens each can be cached at once.
 
     With a sliding window a sequence caches at most `sliding_window` tokens, however long it is.
     """
     per_sequence = cached_tokens_per_sequence(config, context_tokens)
-    return max_cached_tokens(config, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction) // per_sequence
+    return (max_cached_tokens(config, gpu_bytes, weight_dtype, kv_dtype, reserve_fraction)
+            // per_sequence)

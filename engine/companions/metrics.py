@@ -15,14 +15,16 @@ One request's life, on one clock:
       |<--------- ttft_s --------->|<------------ decode: tpot_s = mean itl ------>|
       |<--------------------------------- e2e_s ----------------------------------->|
 
-    queue_s  arrival -> first scheduled: time spent waiting for a seat (vllm:request_queue_time_seconds)
-    ttft_s   arrival -> first token: what a user stares at before anything appears; queueing + prefill
-             (vllm:time_to_first_token_seconds)
+    queue_s  arrival -> first scheduled: time spent waiting for a seat
+             (vllm:request_queue_time_seconds)
+    ttft_s   arrival -> first token: what a user stares at before anything appears; queueing +
+             prefill (vllm:time_to_first_token_seconds)
     itl_s    the gaps between consecutive tokens, one value per gap: what a streaming reader feels,
              stalls included (vllm:inter_token_latency_seconds)
     tpot_s   (last token - first token) / (tokens - 1): the request's mean pace once it started
              (vllm:request_time_per_output_token_seconds)
-    e2e_s    arrival -> finish: the whole wait for a complete answer (vllm:e2e_request_latency_seconds)
+    e2e_s    arrival -> finish: the whole wait for a complete answer
+             (vllm:e2e_request_latency_seconds)
 
 Over a run: throughput (output tokens per second), the distribution of each latency, goodput
 (requests per second that met their latency promise), and Jain's fairness index.
@@ -34,9 +36,9 @@ report P50 (the typical user), P95 and P99 (the unlucky ones) next to the mean.
 
 Our percentile is the NEAREST RANK one: the P-th percentile of n values is the ceil(P/100 * n)-th
 smallest. It is always a value that was really observed (a real request waited exactly that long),
-it is easy to check by hand, and on fewer than 100 values P99 is simply the maximum. (numpy's default
-interpolates between two neighbours, and Prometheus' `histogram_quantile` interpolates inside a
-bucket, so they can differ a little from ours on small samples.)
+it is easy to check by hand, and on fewer than 100 values P99 is simply the maximum. (numpy's
+default interpolates between two neighbours, and Prometheus' `histogram_quantile` interpolates
+inside a bucket, so they can differ a little from ours on small samples.)
 
 ITL vs TPOT: both are "time per token", weighted differently. The ITL distribution has one value
 per token gap (a request with 500 tokens counts 500 times, like vLLM's histogram); TPOT has one
@@ -71,7 +73,7 @@ VLLM_NAMES = {
 }
 
 
-# ---- statistics over a list of values --------------------------------------------------------------
+# ---- statistics over a list of values ------------------------------------------------------------
 
 
 def _observed(values: Iterable[float]) -> list[float]:
@@ -80,9 +82,9 @@ def _observed(values: Iterable[float]) -> list[float]:
 
 
 def nearest_rank(values: Iterable[float], q: float) -> float:
-    """The q-th percentile by nearest rank: the smallest value with at least q% of the data at or below
-    it (P50 of [1, 2, 3, 4] is 2; P99 of 20 values is their maximum). nan values are left out; nan
-    when nothing is left."""
+    """The q-th percentile by nearest rank: the smallest value with at least q% of the data at or
+    below it (P50 of [1, 2, 3, 4] is 2; P99 of 20 values is their maximum). nan values are left out;
+    nan when nothing is left."""
     if not 0 < q <= 100:
         raise ValueError(f"nearest_rank: q={q!r} must be in (0, 100] (a percentile, e.g. 50 or 99)")
     ordered = sorted(_observed(values))
@@ -98,7 +100,8 @@ def mean(values: Iterable[float]) -> float:
 
 
 def std(values: Iterable[float]) -> float:
-    """The population standard deviation of the measured values (numpy's default, ddof=0); nan when none."""
+    """The population standard deviation of the measured values (numpy's default, ddof=0);
+    nan when none."""
     values = _observed(values)
     if not values:
         return math.nan
@@ -107,7 +110,8 @@ def std(values: Iterable[float]) -> float:
 
 
 def jain_fairness(values: Iterable[float]) -> float:
-    """Jain's index (sum x)^2 / (n * sum x^2): 1 when every x is equal, 1/n when one gets everything."""
+    """Jain's index (sum x)^2 / (n * sum x^2): 1 when every x is equal,
+    1/n when one gets everything."""
     values = _observed(values)
     square_sum = sum(v * v for v in values)
     return sum(values) ** 2 / (len(values) * square_sum) if square_sum > 0 else math.nan
@@ -115,7 +119,8 @@ def jain_fairness(values: Iterable[float]) -> float:
 
 @dataclass(frozen=True)
 class Distribution:
-    """One metric over many observations: how many, the mean, P50/P95/P99 (nearest rank) and the max."""
+    """One metric over many observations: how many, the mean,
+    P50/P95/P99 (nearest rank) and the max."""
 
     count: int
     mean: float
@@ -131,16 +136,19 @@ class Distribution:
         return cls(len(values), mean(values), p50, p95, p99, max(values, default=math.nan))
 
     def flat(self, prefix: str, unit: str) -> dict[str, float]:
-        """{"<prefix>_mean_<unit>": ..., "<prefix>_p50_<unit>": ..., ...} for tables and JSON rows."""
-        return {f"{prefix}_{k}_{unit}": getattr(self, k) for k in ("mean", "p50", "p95", "p99", "max")}
+        """{"<prefix>_mean_<unit>": ..., "<prefix>_p50_<unit>": ..., ...}
+        for tables and JSON rows."""
+        return {f"{prefix}_{k}_{unit}": getattr(self, k)
+                for k in ("mean", "p50", "p95", "p99", "max")}
 
 
-# ---- one request ----------------------------------------------------------------------------------
+# ---- one request ---------------------------------------------------------------------------------
 
 
 @dataclass
 class RequestTiming:
-    """One request's life on one clock (seconds), and the latencies it implies (see the module picture).
+    """One request's life on one clock (seconds), and the latencies it implies
+    (see the module picture).
 
     `token_times` holds the moment each output token became available (from a trace: the end of the
     step that sampled it; from a client: when it was received). Latencies that a request cannot have
@@ -152,7 +160,8 @@ class RequestTiming:
     token_times: list[float] = field(default_factory=list)
     first_scheduled_time: float | None = None
     finish_time: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" (None: unfinished, or not reported)
+    # "stop", "length", "abort" (None: unfinished, or not reported)
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     tenant: str | None = None
     priority: int = 0
@@ -165,8 +174,8 @@ class RequestTiming:
     @classmethod
     def from_step_times(cls, step_times_s: Sequence[float], request_id: str = "0",
                         finish_reason: str | None = None) -> RequestTiming:
-        """A request served alone, timed per step by its caller (step 0 = prefill + first sample, then
-        one token per step); the clock starts at 0 when the first step starts."""
+        """A request served alone, timed per step by its caller (step 0 = prefill + first sample,
+        then one token per step); the clock starts at 0 when the first step starts."""
         times, now = [], 0.0
         for dt in step_times_s:
             now += dt
@@ -185,7 +194,8 @@ class RequestTiming:
     @property
     def queue_s(self) -> float:
         """Arrival -> first scheduled (vllm:request_queue_time_seconds)."""
-        return math.nan if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return (math.nan if self.first_scheduled_time is None
+                else self.first_scheduled_time - self.arrival_time)
 
     @property
     def ttft_s(self) -> float:
@@ -200,7 +210,8 @@ class RequestTiming:
     @property
     def tpot_s(self) -> float:
         """Time per output token after the first, (last - first) / (n - 1): the mean of `itl_s`.
-        Defined once the request finished with at least 2 tokens (like vLLM, recorded at the end)."""
+        Defined once the request finished with at least 2 tokens (like vLLM, recorded at the
+        end)."""
         if not self.finished or self.output_tokens < 2:
             return math.nan
         return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
@@ -212,17 +223,18 @@ class RequestTiming:
 
     @property
     def ttft_steps(self) -> float:
-        """TTFT in engine steps, counting the arrival step and the first token's step (nan without steps)."""
+        """TTFT in engine steps, counting the arrival step and the first token's step
+        (nan without steps)."""
         if self.arrival_step is None or self.first_token_step is None:
             return math.nan
         return float(self.first_token_step - self.arrival_step + 1)
 
 
 def request_observations(r: RequestTiming) -> dict[str, list[float]]:
-    """What one finished request adds to each per-request histogram, keyed like `VLLM_NAMES` (a server's
-    /metrics observes these; ITL gives one value per token gap, the others one each). Latencies a request
-    does not have (TPOT of a one-token answer, TTFT of a request aborted before its first token) are left
-    out, as vLLM does."""
+    """What one finished request adds to each per-request histogram, keyed like `VLLM_NAMES` (a
+    server's /metrics observes these; ITL gives one value per token gap, the others one each).
+    Latencies a request does not have (TPOT of a one-token answer, TTFT of a request aborted before
+    its first token) are left out, as vLLM does."""
     values = {"queue_s": [r.queue_s], "ttft_s": [r.ttft_s], "itl_s": r.itl_s, "tpot_s": [r.tpot_s],
               "e2e_s": [r.e2e_s], "prompt_tokens": [float(r.prompt_tokens)],
               "output_tokens": [float(r.output_tokens)]}
@@ -230,9 +242,10 @@ def request_observations(r: RequestTiming) -> dict[str, list[float]]:
 
 
 def requests_from_trace(trace: Trace) -> list[RequestTiming]:
-    """Every request of a trace, in arrival order, with its token times (each token at the end of the
-    step that sampled it) and first scheduled time (the start of the first step that fed it)."""
-    arrived = {e["request_id"]: e for r in trace.steps for e in r.events if e.get("type") == "arrived"}
+    """Every request of a trace, in arrival order, with its token times (each token at the end of
+    the step that sampled it) and first scheduled time (the start of the first step that fed it)."""
+    arrived = {e["request_id"]: e for r in trace.steps for e in r.events
+               if e.get("type") == "arrived"}
     tokens: dict[str, list[float]] = {}
     scheduled: dict[str, float] = {}
     for report in trace.steps:
@@ -243,9 +256,9 @@ def requests_from_trace(trace: Trace) -> list[RequestTiming]:
     for rid, r in trace.requests().items():
         e = arrived.get(rid, {})
         out.append(RequestTiming(
-            rid, r.arrival_time, tokens.get(rid, []), scheduled.get(rid), r.finish_time, r.finish_reason,
-            r.num_prompt_tokens, e.get("tenant"), e.get("priority", 0), r.num_preemptions,
-            r.arrival_step, r.first_token_step, r.finish_step))
+            rid, r.arrival_time, tokens.get(rid, []), scheduled.get(rid), r.finish_time,
+            r.finish_reason, r.num_prompt_tokens, e.get("tenant"), e.get("priority", 0),
+            r.num_preemptions, r.arrival_step, r.first_token_step, r.finish_step))
     return out
 
 
@@ -302,11 +315,12 @@ class Goodput:
 
 
 def goodput(requests: Sequence[RequestTiming], slo: SLO, duration_s: float) -> Goodput:
-    """Goodput of `requests` over a run of `duration_s` seconds (unfinished requests count as misses)."""
+    """Goodput of `requests` over a run of `duration_s` seconds
+    (unfinished requests count as misses)."""
     return Goodput(slo, len(requests), sum(slo.met_by(r) for r in requests), duration_s)
 
 
-# ---- a whole run ------------------------------------------------------------------------------------
+# ---- a whole run ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -339,7 +353,8 @@ class ServingSummary:
         return self.output_tokens / self.steps if self.steps else math.nan
 
     def as_dict(self) -> dict:
-        """One flat row: {"requests", ..., "ttft_mean_s", "ttft_p50_s", ..., "ttft_p99_steps", ...}."""
+        """One flat row:
+        {"requests", ..., "ttft_mean_s", "ttft_p50_s", ..., "ttft_p99_steps", ...}."""
         out = {k: v for k, v in asdict(self).items() if not isinstance(v, dict)}
         for name in ("queue", "ttft", "tpot", "itl", "e2e"):
             out.update(getattr(self, f"{name}_s").flat(name, "s"))
@@ -359,8 +374,8 @@ def run_duration(requests: Sequence[RequestTiming]) -> float:
     return max(ends) - min(r.arrival_time for r in requests)
 
 
-def summarize(requests: Sequence[RequestTiming], duration_s: float | None = None, slo: SLO | None = None,
-              steps: int | None = None) -> ServingSummary:
+def summarize(requests: Sequence[RequestTiming], duration_s: float | None = None,
+              slo: SLO | None = None, steps: int | None = None) -> ServingSummary:
     """The summary of these requests over `duration_s` (default: `run_duration(requests)`)."""
     duration = run_duration(requests) if duration_s is None else duration_s
     tokens = sum(r.output_tokens for r in requests)
@@ -381,14 +396,17 @@ def summarize(requests: Sequence[RequestTiming], duration_s: float | None = None
 
 
 def trace_duration(trace: Trace) -> float:
-    """A trace's length: from the first arrival (or the first step's start) to the last step's end."""
+    """A trace's length: from the first arrival (or the first step's start)
+    to the last step's end."""
     if not trace.steps:
-        raise ValueError("trace_duration: trace has no steps; run the engine for at least one step first")
+        raise ValueError("trace_duration: trace has no steps; run the engine for at least one step "
+                         "first")
     start = min([trace[0].start_time] + [r.arrival_time for r in trace.requests().values()])
     return trace[-1].end_time - start
 
 
-def trace_summary(trace: Trace, tenant: str | None = None, slo: SLO | None = None) -> ServingSummary:
+def trace_summary(trace: Trace, tenant: str | None = None,
+                  slo: SLO | None = None) -> ServingSummary:
     """`summarize` of a trace's requests (with `tenant`: only that tenant's; the duration stays the
     whole run's, so per-tenant throughputs add up to the run's)."""
     duration = trace_duration(trace)
@@ -397,12 +415,13 @@ def trace_summary(trace: Trace, tenant: str | None = None, slo: SLO | None = Non
 
 
 def trace_metrics(trace: Trace, tenant: str | None = None, slo: SLO | None = None) -> dict:
-    """`trace_summary(...)` as one flat dict (the row format of tables, sweeps and benchmark JSON), with the
-    prefix cache's queries, hits and hit rate (`prefix_cache_stats`)."""
-    return {**trace_summary(trace, tenant, slo).as_dict(), **prefix_cache_stats(trace, tenant).as_dict()}
+    """`trace_summary(...)` as one flat dict (the row format of tables, sweeps and benchmark JSON),
+    with the prefix cache's queries, hits and hit rate (`prefix_cache_stats`)."""
+    return {**trace_summary(trace, tenant, slo).as_dict(),
+            **prefix_cache_stats(trace, tenant).as_dict()}
 
 
-# ---- buckets: the same metrics for each kind of request ---------------------------------------------
+# ---- buckets: the same metrics for each kind of request ------------------------------------------
 
 
 def bucket_by(requests: Iterable[RequestTiming], key: Callable[[RequestTiming], Hashable]) -> dict:
@@ -414,10 +433,11 @@ def bucket_by(requests: Iterable[RequestTiming], key: Callable[[RequestTiming], 
 
 
 def prompt_length_label(prompt_tokens: int, edges: Sequence[int] = PROMPT_LENGTH_EDGES) -> str:
-    """The bucket of a prompt length: "[0, 64)", "[64, 256)", ..., "[1024, inf)" for the default edges."""
+    """The bucket of a prompt length: "[0, 64)", "[64, 256)", ..., "[1024, inf)"
+    for the default edges."""
     if list(edges) != sorted(set(edges)) or not edges or edges[0] <= 0:
-        raise ValueError(f"edges={tuple(edges)!r} must be positive token counts in increasing order, "
-                         "e.g. (64, 256, 1024)")
+        raise ValueError(f"edges={tuple(edges)!r} must be positive token counts in increasing "
+                         "order, e.g. (64, 256, 1024)")
     for lo, hi in zip((0, *edges), edges, strict=False):
         if prompt_tokens < hi:
             return f"[{lo}, {hi})"
@@ -438,23 +458,26 @@ def by_prompt_length(requests: Iterable[RequestTiming],
 
 
 def by_tenant(requests: Iterable[RequestTiming]) -> dict[str | None, list[RequestTiming]]:
-    """Requests grouped by tenant (None: requests that gave no tenant), in order of first arrival."""
+    """Requests grouped by tenant (None: requests that gave no tenant),
+    in order of first arrival."""
     return bucket_by(requests, lambda r: r.tenant)
 
 
 def summarize_buckets(buckets: dict, duration_s: float, slo: SLO | None = None) -> dict:
-    """{bucket: ServingSummary} over the whole run's duration (so the buckets' throughputs add up)."""
+    """{bucket: ServingSummary} over the whole run's duration
+    (so the buckets' throughputs add up)."""
     return {name: summarize(rs, duration_s, slo) for name, rs in buckets.items()}
 
 
-# ---- the prefix cache (chapter 06) ------------------------------------------------------------------
+# ---- the prefix cache (chapter 06) ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Prefix-cache lookups over a run, in tokens, as vLLM counts them: every time a request gets its
-    blocks (arrival, or again after a recompute preemption), its tokens are *queried* and the cached
-    prefix found is a *hit*. hit_rate = hits / queries (nan when nothing was looked up: caching off)."""
+    """Prefix-cache lookups over a run, in tokens, as vLLM counts them: every time a request gets
+    its blocks (arrival, or again after a recompute preemption), its tokens are *queried* and the
+    cached prefix found is a *hit*. hit_rate = hits / queries (nan when nothing was looked up:
+    caching off)."""
 
     queries: int
     hits: int
@@ -469,8 +492,8 @@ class PrefixCacheStats:
 
 
 def prefix_cache_stats(trace: Trace, tenant: str | None = None) -> PrefixCacheStats:
-    """Queries and hits from the trace's "prefix_hit" events (with `tenant`: that tenant's requests only;
-    a forked sample "<id>#i" belongs to its request's tenant)."""
+    """Queries and hits from the trace's "prefix_hit" events (with `tenant`: that tenant's requests
+    only; a forked sample "<id>#i" belongs to its request's tenant)."""
     tenants: dict[str, str | None] = {}
     queries = hits = 0
     for report in trace.steps:

@@ -12,7 +12,8 @@ Every step recomputes the keys and values of every earlier token, so step t cost
 
 The loop itself (`run_loop`) only asks for "the logits of the next position, given the tokens that
 are new since last time"; `generate_naive` answers by re-running the whole sequence, and
-`engine.companions.kv_cache.generate_cached` answers from a cache. Same loop, same sampler, same stops.
+`engine.companions.kv_cache.generate_cached` answers from a cache. Same loop, same sampler, same
+stops.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only
     text: str  # generated text (stop strings removed)
     finish_reason: str  # "stop" (EOS, stop id or stop string) or "length"
-    step_times_s: list[float] = field(default_factory=list)  # step 0 is the prefill (gives the first token)
+    # step 0 is the prefill (gives the first token)
+    step_times_s: list[float] = field(default_factory=list)
 
     @property
     def timing(self) -> RequestTiming:
-        """This run as `engine.companions.metrics` sees a request: one token at the end of each timed step."""
+        """This run as `engine.companions.metrics` sees a request:
+        one token at the end of each timed step."""
         return RequestTiming.from_step_times(self.step_times_s, finish_reason=self.finish_reason)
 
     @property
@@ -64,8 +67,9 @@ def full_logits(model: LlamaModel, input_ids: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-             eos: list[int], max_len: int, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams,
+             tokenizer: Tokenizer | None, eos: list[int], max_len: int,
+             on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """The autoregressive loop: feed new tokens, sample, append, check stops."""
     state = SamplingState(params, prompt_ids=list(prompt_ids))
     detok = tokenizer.detokenizer() if tokenizer is not None else None
@@ -73,7 +77,8 @@ def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams, tok
     while len(prompt_ids) + len(state.output_ids) < max_len:
         start = time.perf_counter()
         logits = step_fn(new)  # [V]
-        token = int(sample(logits[None].float(), [state], eos).token_ids[0])  # EOS kept out until min_tokens
+        # EOS kept out until min_tokens
+        token = int(sample(logits[None].float(), [state], eos).token_ids[0])
         times.append(time.perf_counter() - start)
         if detok is not None and shows_text(token, eos):
             delta = detok.push(token)
@@ -103,4 +108,5 @@ def generate_naive(model: LlamaModel, tokenizer: Tokenizer | None, prompt: str |
         ids = torch.tensor([sequence], device=device)  # [1, T]: the WHOLE sequence, every step
         return model(ids, last_only=True)[0]  # [V]
 
-    return run_loop(step_fn, prompt_ids, params, tokenizer, eos_ids(model, tokenizer), max_len, on_text)
+    return run_loop(step_fn, prompt_ids, params, tokenizer, eos_ids(model, tokenizer), max_len,
+                    on_text)

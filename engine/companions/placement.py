@@ -24,9 +24,10 @@ weights do not fit on one GPU. We have three ways to use several GPUs, and we ca
 - Replicas are whole copies of the (possibly TP x PP split) model that serve different requests:
   no traffic at all and more throughput, but every copy pays the full weight memory again.
 
-A layout is TP x PP x R. For each one we count, per GPU: the weight bytes, engine/companions/memory.py's
-activation reserve, what is left for the KV cache and so how many tokens, and sequences of the
-given context, fit per replica; and per token: the bytes communicated and how long they take.
+A layout is TP x PP x R. For each one we count, per GPU: the weight bytes,
+engine/companions/memory.py's activation reserve, what is left for the KV cache and so how many
+tokens, and sequences of the given context, fit per replica; and per token: the bytes
+communicated and how long they take.
 
 Choices we made (a student will ask):
 - Idle GPUs are allowed. For each (TP, PP) with TP * PP <= num_devices we run as many replicas as
@@ -39,8 +40,8 @@ Choices we made (a student will ask):
 - PP must be <= num_hidden_layers. Uneven splits follow vLLM's get_pp_indices: every stage gets
   L // PP layers and the remainder goes one each to the stages just before the last.
 - The first stage holds the embedding, the last the final norm and the LM head (a tied embedding is
-  copied there when PP > 1); both are split over TP by vocabulary rows (vLLM's VocabParallelEmbedding;
-  a vocabulary that does not divide is padded up).
+  copied there when PP > 1); both are split over TP by vocabulary rows (vLLM's
+  VocabParallelEmbedding; a vocabulary that does not divide is padded up).
 - Communication counts the layers only. The vocabulary-parallel embedding adds one all-reduce per
   token and the LM head a gather of the logits: a few percent more for these models, left out.
   The time is bytes / bandwidth only; every message also pays a latency of some microseconds which,
@@ -57,7 +58,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from engine.config import MODEL_PRESETS, ModelConfig
 from engine.companions.memory import (
     ACTIVATION_RESERVE_FRACTION,
     GB,
@@ -67,6 +67,7 @@ from engine.companions.memory import (
     kv_bytes_per_token,
 )
 from engine.companions.roofline import MIN_ACTIVATION_BYTES, MachineRoofline
+from engine.config import MODEL_PRESETS, ModelConfig
 
 TERA = 10**12
 # Megatron-LM's tensor-parallel layer: attention's o_proj and the MLP's down_proj are row-parallel,
@@ -77,7 +78,8 @@ MICROSECOND, NANOSECOND = 1e-6, 1e-9
 
 def _check_name(cls: str, name) -> None:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls}.name must be a non-empty string (a label for tables), got {name!r}")
+        raise ValueError(f"{cls}.name must be a non-empty string (a label for tables), "
+                         f"got {name!r}")
 
 
 def _check_positive_int(field: str, value, meaning: str) -> None:
@@ -86,7 +88,8 @@ def _check_positive_int(field: str, value, meaning: str) -> None:
 
 
 def _check_positive_number(field: str, value, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            or math.isinf(value)):
         raise ValueError(f"{field} must be a positive, finite number ({example}), got {value!r}")
 
 
@@ -95,7 +98,8 @@ class Device:
     """One accelerator as its datasheet describes it (decimal units: 1 GB = 10**9 bytes, as in
     engine/companions/memory.py; the card itself reports a little more, in MiB).
 
-    peak_flops is the dense bf16 tensor-core rate; datasheets often print twice that "with sparsity".
+    peak_flops is the dense bf16 tensor-core rate; datasheets often print twice that
+    "with sparsity".
     """
 
     name: str
@@ -106,13 +110,16 @@ class Device:
 
     def __post_init__(self) -> None:
         _check_name("Device", self.name)
-        _check_positive_int("Device.memory_bytes", self.memory_bytes, "e.g. 80 * 10**9 for an 80 GB card")
-        _check_positive_number("Device.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, "e.g. 3.35e12")
+        _check_positive_int("Device.memory_bytes", self.memory_bytes,
+                            "e.g. 80 * 10**9 for an 80 GB card")
+        _check_positive_number("Device.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s,
+                               "e.g. 3.35e12")
         _check_positive_number("Device.peak_flops", self.peak_flops, "e.g. 989e12")
 
     def roofline(self) -> MachineRoofline:
         """The same numbers as engine/companions/roofline.py's machine, for its formulas."""
-        return MachineRoofline(self.peak_flops, self.bandwidth_bytes_per_s, "bf16", f"{self.name}, datasheet")
+        return MachineRoofline(self.peak_flops, self.bandwidth_bytes_per_s, "bf16",
+                               f"{self.name}, datasheet")
 
 
 @dataclass(frozen=True)
@@ -128,13 +135,15 @@ class Interconnect:
 
     def __post_init__(self) -> None:
         _check_name("Interconnect", self.name)
-        _check_positive_number("Interconnect.bytes_per_s", self.bytes_per_s, "per direction, e.g. 450e9")
+        _check_positive_number("Interconnect.bytes_per_s", self.bytes_per_s,
+                               "per direction, e.g. 450e9")
 
 
-# Datasheet numbers. Memory bandwidth as printed; FLOP/s dense bf16 (half the "with sparsity" figure).
+# Datasheet numbers. Memory bandwidth as printed; FLOP/s dense bf16
+# (half the "with sparsity" figure).
 DEVICE_PRESETS: dict[str, Device] = {d.name: d for d in (
-    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS
-    # with sparsity.
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: 80 GB HBM3, 3.35 TB/s,
+    # BF16 1,979 TFLOPS with sparsity.
     Device("H100-SXM-80GB", 80 * GB, 3.35 * TERA, 989e12, "NVIDIA H100 datasheet (SXM)"),
     # NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity.
     Device("H200-SXM-141GB", 141 * GB, 4.8 * TERA, 989e12, "NVIDIA H200 datasheet (SXM)"),
@@ -144,7 +153,8 @@ DEVICE_PRESETS: dict[str, Device] = {d.name: d for d in (
     Device("L4-24GB", 24 * GB, 0.3 * TERA, 121e12, "NVIDIA L4 datasheet"),
     # NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090: 24 GB GDDR6X, 1,008 GB/s,
     # BF16 tensor with FP32 accumulate 165.2 TFLOPS (330.4 with sparsity).
-    Device("RTX4090-24GB", 24 * GB, 1.008 * TERA, 165.2e12, "NVIDIA Ada GPU architecture whitepaper"),
+    Device("RTX4090-24GB", 24 * GB, 1.008 * TERA, 165.2e12,
+           "NVIDIA Ada GPU architecture whitepaper"),
 )}
 
 # Every figure per direction (see Interconnect). GB/s decimal; Ethernet and InfiniBand are quoted in
@@ -154,8 +164,8 @@ INTERCONNECT_PRESETS: dict[str, Interconnect] = {i.name: i for i in (
     Interconnect("NVLink4", 450e9, "NVIDIA H100 datasheet: 900 GB/s bidirectional"),
     # NVIDIA A100 datasheet: NVLink 600 GB/s per GPU, both directions together (12 NVLink 3 links).
     Interconnect("NVLink3", 300e9, "NVIDIA A100 datasheet: 600 GB/s bidirectional"),
-    # PCI-SIG: PCIe 4.0 runs 16 GT/s a lane, x16 = 32 GB/s each way before 128b/130b encoding (31.5 after);
-    # datasheets print "64 GB/s" for both directions. Measured copies reach about 25.
+    # PCI-SIG: PCIe 4.0 runs 16 GT/s a lane, x16 = 32 GB/s each way before 128b/130b encoding (31.5
+    # after); datasheets print "64 GB/s" for both directions. Measured copies reach about 25.
     Interconnect("PCIe4-x16", 32e9, "PCIe 4.0 spec, 16 GT/s x16, per direction"),
     # PCIe 5.0: 32 GT/s a lane, x16 = 64 GB/s each way ("128 GB/s" bidirectional).
     Interconnect("PCIe5-x16", 64e9, "PCIe 5.0 spec, 32 GT/s x16, per direction"),
@@ -185,14 +195,16 @@ class Layout:
     reserve_bytes_per_device: int
     kv_heads_per_device: int | None
     weight_bytes_per_device: int | None
-    kv_budget_bytes_per_device: int | None  # memory - reserve - weights; negative when weights overflow
+    # memory - reserve - weights; negative when weights overflow
+    kv_budget_bytes_per_device: int | None
     kv_bytes_per_token_per_device: int | None
     kv_tokens_per_replica: int | None
     sequences_per_replica: int | None
     tp_bytes_per_token: float  # sent by each GPU of a TP group, all layers together
     pp_bytes_per_token: float  # sent across all stage boundaries together
     comm_s_per_token: float  # (tp + pp bytes) / link bandwidth: a lower bound, latency not counted
-    weight_read_s_per_token: float | None  # every stage reads its weights once: batch-1 decode's floor
+    # every stage reads its weights once: batch-1 decode's floor
+    weight_read_s_per_token: float | None
 
     @property
     def fits(self) -> bool:
@@ -204,7 +216,8 @@ class Layout:
 
     @property
     def sequences(self) -> int:
-        """Sequences of `context_tokens` cached at once over all replicas (0 when it does not fit)."""
+        """Sequences of `context_tokens` cached at once over all replicas
+        (0 when it does not fit)."""
         return (self.sequences_per_replica or 0) * self.replicas if self.fits else 0
 
     @property
@@ -212,7 +225,7 @@ class Layout:
         return self.tp_bytes_per_token + self.pp_bytes_per_token
 
 
-# ---- communication -----------------------------------------------------------------------------------
+# ---- communication -------------------------------------------------------------------------------
 
 
 def ring_allreduce_bytes(message_bytes: float, ranks: int) -> float:
@@ -245,7 +258,7 @@ def pipeline_bytes_per_token(model, pp: int, dtype) -> float:
     return (pp - 1) * config.hidden_size * dtype_bytes(dtype)
 
 
-# ---- memory per GPU ------------------------------------------------------------------------------------
+# ---- memory per GPU ------------------------------------------------------------------------------
 
 
 def kv_heads_per_device(model, tp: int) -> int:
@@ -263,15 +276,18 @@ def split_problem(model, tp: int, pp: int) -> str:
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     I, L = config.intermediate_size, config.num_hidden_layers
     if H % tp:
-        return (f"TP={tp} does not divide num_attention_heads={H} (each GPU holds whole query heads); "
-                f"use TP in {_divisors(H)}")
+        return (f"TP={tp} does not divide num_attention_heads={H} (each GPU holds whole query "
+                f"heads); use TP in {_divisors(H)}")
     if Hkv % tp and tp % Hkv:
-        return (f"TP={tp} neither divides num_key_value_heads={Hkv} nor is a multiple of it (then each "
-                f"GPU could keep one copied KV head); use TP in {_divisors(Hkv)} or a multiple of {Hkv}")
+        return (f"TP={tp} neither divides num_key_value_heads={Hkv} nor is a multiple of it "
+                f"(then each GPU could keep one copied KV head); use TP in {_divisors(Hkv)} or a "
+                f"multiple of {Hkv}")
     if I % tp:
-        return f"TP={tp} does not divide intermediate_size={I} (the MLP's columns must split evenly)"
+        return (f"TP={tp} does not divide intermediate_size={I} (the MLP's columns must split "
+                "evenly)")
     if pp > L:
-        return f"PP={pp} is more than num_hidden_layers={L}: a stage would hold no layer; use PP <= {L}"
+        return (f"PP={pp} is more than num_hidden_layers={L}: a stage would hold no layer; "
+                f"use PP <= {L}")
     return ""
 
 
@@ -289,17 +305,20 @@ def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
 def _shard(config: ModelConfig, tp: int, layers: int) -> ModelConfig:
     """One TP rank's slice of `layers` layers, written as a (smaller) model config, so that
     ModelConfig.param_breakdown and memory.kv_bytes_per_token count it for us."""
-    return replace(config, num_hidden_layers=layers, num_attention_heads=config.num_attention_heads // tp,
+    return replace(config, num_hidden_layers=layers,
+                   num_attention_heads=config.num_attention_heads // tp,
                    num_key_value_heads=kv_heads_per_device(config, tp),
                    intermediate_size=config.intermediate_size // tp,
                    vocab_size=-(-config.vocab_size // tp), name=f"{config.name} TP rank")
 
 
 def _stage_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int) -> int:
-    """Parameters on one GPU of pipeline stage `stage` (its layers, plus embedding / LM head at the ends)."""
+    """Parameters on one GPU of pipeline stage `stage`
+    (its layers, plus embedding / LM head at the ends)."""
     parts = _shard(config, tp, layers).param_breakdown()
     E = config.hidden_size
-    params = parts["attention"] + parts["mlp"] + parts["norms"] - E  # layers and their norms; final norm below
+    # layers and their norms; final norm below
+    params = parts["attention"] + parts["mlp"] + parts["norms"] - E
     if stage == 0:
         params += parts["embedding"]
     if stage == pp - 1:
@@ -311,7 +330,8 @@ def _stage_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int
 
 def stage_memory_plans(model, device, tp: int, pp: int, weight_dtype="bf16", kv_dtype="bf16",
                        reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> list[MemoryPlan]:
-    """engine/companions/memory.py's MemoryPlan for one GPU of each pipeline stage (budget < 0: weights overflow)."""
+    """engine/companions/memory.py's MemoryPlan for one GPU of each pipeline stage
+    (budget < 0: weights overflow)."""
     config, device = _resolve_model(model), _resolve(device, DEVICE_PRESETS, Device, "device")
     _check_reserve(reserve_fraction)
     _check_positive_int("tp", tp, "the tensor-parallel size")
@@ -321,14 +341,15 @@ def stage_memory_plans(model, device, tp: int, pp: int, weight_dtype="bf16", kv_
     reserve = math.ceil(device.memory_bytes * reserve_fraction)  # as memory.plan_memory does
     plans = []
     for stage, layers in enumerate(stage_layer_counts(config.num_hidden_layers, pp)):
-        weights = math.ceil(_stage_params(config, tp, pp, stage, layers) * dtype_bytes(weight_dtype))
+        weights = math.ceil(_stage_params(config, tp, pp, stage, layers)
+                            * dtype_bytes(weight_dtype))
         per_token = kv_bytes_per_token(_shard(config, tp, layers), kv_dtype)
         plans.append(MemoryPlan(device.memory_bytes, weights, reserve,
                                 device.memory_bytes - reserve - weights, per_token))
     return plans
 
 
-# ---- layouts -------------------------------------------------------------------------------------------
+# ---- layouts -------------------------------------------------------------------------------------
 
 
 def plan_layout(model, device, num_devices: int, interconnect, tp: int, pp: int = 1, *,
@@ -346,9 +367,10 @@ def plan_layout(model, device, num_devices: int, interconnect, tp: int, pp: int 
     _check_layout_args(num_devices, tp, pp)
     _check_reserve(reserve_fraction)
     dtype_bytes(kv_dtype)  # a bad name fails here, even for a split that never reaches the KV count
-    context = cached_tokens_per_sequence(config, config.max_position_embeddings if context_tokens is None
-                                         else context_tokens)
-    activation_dtype = max(dtype_bytes(weight_dtype), MIN_ACTIVATION_BYTES)  # int8/int4 weights: bf16 activations
+    context = cached_tokens_per_sequence(config, config.max_position_embeddings
+                                         if context_tokens is None else context_tokens)
+    # int8/int4 weights: bf16 activations
+    activation_dtype = max(dtype_bytes(weight_dtype), MIN_ACTIVATION_BYTES)
     tp_bytes = allreduce_bytes_per_token(config, tp, activation_dtype)
     pp_bytes = pipeline_bytes_per_token(config, pp, activation_dtype)
     common = dict(model=config.name or "model", device=device.name, interconnect=link.name,
@@ -359,30 +381,36 @@ def plan_layout(model, device, num_devices: int, interconnect, tp: int, pp: int 
                   comm_s_per_token=(tp_bytes + pp_bytes) / link.bytes_per_s)
     problem = split_problem(config, tp, pp)
     if problem:
-        return Layout(**common, reason=problem, kv_heads_per_device=None, weight_bytes_per_device=None,
-                      kv_budget_bytes_per_device=None, kv_bytes_per_token_per_device=None,
-                      kv_tokens_per_replica=None, sequences_per_replica=None, weight_read_s_per_token=None)
+        return Layout(**common, reason=problem, kv_heads_per_device=None,
+                      weight_bytes_per_device=None, kv_budget_bytes_per_device=None,
+                      kv_bytes_per_token_per_device=None, kv_tokens_per_replica=None,
+                      sequences_per_replica=None, weight_read_s_per_token=None)
     plans = stage_memory_plans(config, device, tp, pp, weight_dtype, kv_dtype, reserve_fraction)
     tightest = min(plans, key=lambda p: p.max_cached_tokens)
-    tokens = max(0, tightest.max_cached_tokens)  # every stage must hold each token's KV for its layers
+    # every stage must hold each token's KV for its layers
+    tokens = max(0, tightest.max_cached_tokens)
     heaviest = max(p.weight_bytes for p in plans)
     return Layout(**common, reason=_memory_problem(plans, tokens, context, device),
-                  kv_heads_per_device=kv_heads_per_device(config, tp), weight_bytes_per_device=heaviest,
+                  kv_heads_per_device=kv_heads_per_device(config, tp),
+                  weight_bytes_per_device=heaviest,
                   kv_budget_bytes_per_device=tightest.kv_budget_bytes,
-                  kv_bytes_per_token_per_device=tightest.kv_bytes_per_token, kv_tokens_per_replica=tokens,
+                  kv_bytes_per_token_per_device=tightest.kv_bytes_per_token,
+                  kv_tokens_per_replica=tokens,
                   sequences_per_replica=tokens // context,
-                  weight_read_s_per_token=sum(p.weight_bytes for p in plans) / device.bandwidth_bytes_per_s)
+                  weight_read_s_per_token=(sum(p.weight_bytes for p in plans)
+                                           / device.bandwidth_bytes_per_s))
 
 
 def _memory_problem(plans: list[MemoryPlan], tokens: int, context: int, device: Device) -> str:
     heaviest = max(plans, key=lambda p: p.weight_bytes)
     if heaviest.kv_budget_bytes <= 0:
-        return (f"weights need {_fmt_bytes(heaviest.weight_bytes)} per GPU + {_fmt_bytes(heaviest.reserve_bytes)} "
-                f"reserve > {_fmt_bytes(device.memory_bytes)} on {device.name}; raise TP or PP, or use "
-                f"smaller weights (int8, int4)")
+        return (f"weights need {_fmt_bytes(heaviest.weight_bytes)} per GPU + "
+                f"{_fmt_bytes(heaviest.reserve_bytes)} reserve > {_fmt_bytes(device.memory_bytes)} "
+                f"on {device.name}; raise TP or PP, or use smaller weights (int8, int4)")
     if tokens < context:
-        return (f"weights fit, but the KV left holds {tokens:,} tokens per replica, less than one sequence "
-                f"of {context:,}; shorten the context, raise TP or PP, or store the KV cache in int8")
+        return (f"weights fit, but the KV left holds {tokens:,} tokens per replica, less than one "
+                f"sequence of {context:,}; shorten the context, raise TP or PP, or store the KV "
+                "cache in int8")
     return ""
 
 
@@ -392,46 +420,54 @@ def candidate_layouts(model, device, num_devices: int, interconnect, *, weight_d
     """Every (TP, PP) with TP x PP <= num_devices, the ones that fit first (see feasible_layouts for
     their order), then the rejected ones, smallest first, each with its reason."""
     _check_positive_int("num_devices", num_devices, "how many GPUs there are")
-    layouts = [plan_layout(model, device, num_devices, interconnect, tp, pp, weight_dtype=weight_dtype,
-                           kv_dtype=kv_dtype, context_tokens=context_tokens, reserve_fraction=reserve_fraction)
+    layouts = [plan_layout(model, device, num_devices, interconnect, tp, pp,
+                           weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                           context_tokens=context_tokens, reserve_fraction=reserve_fraction)
                for tp in range(1, num_devices + 1) for pp in range(1, num_devices // tp + 1)]
-    fitting = sorted((x for x in layouts if x.fits), key=lambda x: (x.devices_per_replica, -x.sequences, x.pp))
-    rejected = sorted((x for x in layouts if not x.fits), key=lambda x: (x.devices_per_replica, x.pp))
+    fitting = sorted((x for x in layouts if x.fits),
+                     key=lambda x: (x.devices_per_replica, -x.sequences, x.pp))
+    rejected = sorted((x for x in layouts if not x.fits),
+                      key=lambda x: (x.devices_per_replica, x.pp))
     return fitting + rejected
 
 
 def feasible_layouts(model, device, num_devices: int, interconnect, *, weight_dtype="bf16",
                      kv_dtype="bf16", context_tokens: int | None = None,
                      reserve_fraction: float = ACTIVATION_RESERVE_FRACTION) -> list[Layout]:
-    """The layouts that fit: fewest GPUs per replica first (least communication, most replicas), then
-    the most sequences cached at once, then less PP (one sequence's step then visits fewer stages)."""
-    return [x for x in candidate_layouts(model, device, num_devices, interconnect, weight_dtype=weight_dtype,
-                                         kv_dtype=kv_dtype, context_tokens=context_tokens,
+    """The layouts that fit: fewest GPUs per replica first (least communication, most replicas),
+    then the most sequences cached at once, then less PP (one sequence's step then visits fewer
+    stages)."""
+    return [x for x in candidate_layouts(model, device, num_devices, interconnect,
+                                         weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                         context_tokens=context_tokens,
                                          reserve_fraction=reserve_fraction) if x.fits]
 
 
-# ---- reading them --------------------------------------------------------------------------------------
+# ---- reading them --------------------------------------------------------------------------------
 
 
 def explain(layout: Layout) -> str:
     """One line a student can read."""
     x = layout
     head = (f"{x.model} on {x.num_devices} x {x.device}: TP={x.tp} x PP={x.pp} x "
-            f"{_plural(x.replicas, 'replica')}" + (f" ({x.idle_devices} idle)" if x.idle_devices else ""))
+            f"{_plural(x.replicas, 'replica')}"
+            + (f" ({x.idle_devices} idle)" if x.idle_devices else ""))
     if x.weight_bytes_per_device is None:
         return f"{head}: impossible, {x.reason}"
     memory = (f"per GPU {_fmt_bytes(x.weight_bytes_per_device)} weights + "
               f"{_fmt_bytes(x.reserve_bytes_per_device)} reserve")
     if not x.fits:
         return f"{head}: does not fit, {memory}; {x.reason}"
-    return (f"{head}: {memory} + {_fmt_bytes(x.kv_budget_bytes_per_device)} KV = {x.kv_tokens_per_replica:,} "
-            f"tokens = {_plural(x.sequences_per_replica, 'sequence')} of {x.context_tokens:,} per replica "
+    return (f"{head}: {memory} + {_fmt_bytes(x.kv_budget_bytes_per_device)} KV = "
+            f"{x.kv_tokens_per_replica:,} tokens = "
+            f"{_plural(x.sequences_per_replica, 'sequence')} of {x.context_tokens:,} per replica "
             f"({x.sequences:,} in all); each token sends {_fmt_bytes(x.comm_bytes_per_token)}, "
             f"{_fmt_seconds(x.comm_s_per_token)} over {x.interconnect}")
 
 
 def layouts_table(layouts: list[Layout]) -> str:
-    """A markdown table of layouts (e.g. candidate_layouts' list); "-" where a split is impossible."""
+    """A markdown table of layouts (e.g. candidate_layouts' list);
+    "-" where a split is impossible."""
     rows = ["| TP | PP | replicas | idle | weights/GPU | KV/GPU | KV tokens/replica | sequences "
             "| comm/token | comm time/token | fits |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -447,7 +483,7 @@ def layouts_table(layouts: list[Layout]) -> str:
     return "\n".join(rows)
 
 
-# ---- small helpers -------------------------------------------------------------------------------------
+# ---- small helpers -------------------------------------------------------------------------------
 
 
 def _fmt_bytes(n: float) -> str:
@@ -477,8 +513,9 @@ def _resolve(value, presets: dict, cls: type, field: str):
         return value
     if isinstance(value, str) and value in presets:
         return presets[value]
-    raise ValueError(f"{field} must be a {cls.__name__} or one of the preset names {sorted(presets)}, "
-                     f"got {value!r}; for another one build {cls.__name__}(...) with its datasheet numbers")
+    raise ValueError(f"{field} must be a {cls.__name__} or one of the preset names "
+                     f"{sorted(presets)}, got {value!r}; for another one build {cls.__name__}(...) "
+                     "with its datasheet numbers")
 
 
 def _resolve_model(model) -> ModelConfig:
@@ -497,4 +534,5 @@ def _check_layout_args(num_devices: int, tp: int, pp: int) -> None:
 def _check_reserve(reserve_fraction: float) -> None:
     if isinstance(reserve_fraction, bool) or not isinstance(reserve_fraction, (int, float)) \
             or not 0 <= reserve_fraction < 1:
-        raise ValueError(f"reserve_fraction must be in [0, 1) (vLLM keeps 0.1 back), got {reserve_fraction!r}")
+        raise ValueError("reserve_fraction must be in [0, 1) (vLLM keeps 0.1 back), "
+                         f"got {reserve_fraction!r}")

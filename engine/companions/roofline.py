@@ -1,7 +1,7 @@
 """The roofline: why prefill is compute-bound and decode is bandwidth-bound.
 
-Chapter 02 ("Prefill 和 Decode 为什么表现不同" in the text). A forward pass does some number of
-floating-point operations (FLOPs) and moves some number of bytes between memory and the chip.
+Chapter 02 ("Prefill 和 Decode 为什么表现不同" in the text). A forward pass does some number
+of floating-point operations (FLOPs) and moves some number of bytes between memory and the chip.
 A machine can do at most `peak_flops` per second and move at most `bandwidth` bytes per second,
 so a forward takes at least
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
 from engine.companions.memory import activation_breakdown, dtype_bytes, kv_cache_bytes
+from engine.config import ModelConfig
 
 # Each matmul weight does one multiply and one add per token: 2 FLOPs.
 FLOPS_PER_MAC = 2
@@ -64,7 +64,8 @@ class ForwardCost:
 
 def _check_positive_int(field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"forward_cost: {field} must be a positive int (1, 2, 3, ...), got {value!r}")
+        raise ValueError(f"forward_cost: {field} must be a positive int (1, 2, 3, ...), "
+                         f"got {value!r}")
 
 
 def forward_cost(config: ModelConfig, batch: int, new_tokens: int, context_tokens: int,
@@ -88,14 +89,14 @@ def forward_cost(config: ModelConfig, batch: int, new_tokens: int, context_token
                          ("context_tokens", context_tokens)):
         _check_positive_int(field, value)
     if new_tokens > context_tokens:
-        raise ValueError(f"forward_cost: context_tokens ({context_tokens}) includes the new tokens, "
-                         f"so it must be >= new_tokens ({new_tokens})")
+        raise ValueError(f"forward_cost: context_tokens ({context_tokens}) includes the new "
+                         f"tokens, so it must be >= new_tokens ({new_tokens})")
     w_b, kv_b = dtype_bytes(weight_dtype_bytes), dtype_bytes(kv_dtype_bytes)
     act_b = activation_dtype_bytes or max(w_b, MIN_ACTIVATION_BYTES)
     tokens = batch * new_tokens
     attended = min(context_tokens, config.sliding_window or context_tokens)
-    L, H, Hkv, D = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-                    config.head_dim)
+    L, H, Hkv, D = (config.num_hidden_layers, config.num_attention_heads,
+                    config.num_key_value_heads, config.head_dim)
 
     matmul_flops = FLOPS_PER_MAC * config.matmul_params() * tokens
     attention_flops = ATTENTION_FLOPS_PER_PAIR_PER_DIM * L * H * D * new_tokens * attended * batch
@@ -113,7 +114,8 @@ def forward_cost(config: ModelConfig, batch: int, new_tokens: int, context_token
 def _weight_bytes_read(config: ModelConfig, weight_dtype_bytes: float) -> int:
     """Weights streamed from memory in one forward: all but an untied embedding table."""
     parts = config.param_breakdown()
-    unread = 0 if config.tie_word_embeddings else parts["embedding"]  # tied: read in full as the LM head
+    # tied: read in full as the LM head
+    unread = 0 if config.tie_word_embeddings else parts["embedding"]
     return int((sum(parts.values()) - unread) * weight_dtype_bytes)
 
 

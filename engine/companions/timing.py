@@ -1,11 +1,14 @@
-"""Timing small things honestly on a busy machine: interleaved calls, medians, optionally cold caches.
+"""Timing small things honestly on a busy machine: interleaved calls, medians,
+optionally cold caches.
 
-    ms = interleaved_medians_ms({"sdpa": f, "native": g}, rounds=9)   # {"sdpa": 0.41, "native": 0.17}
+    ms = interleaved_medians_ms({"sdpa": f, "native": g}, rounds=9)
+    # ms == {"sdpa": 0.41, "native": 0.17}
 
-Interleaving (f, g, f, g, ...) lets a busy moment of a shared machine hit every contender alike, and the
-median ignores the rounds it spoiled. With ``flush`` (a tensor bigger than the CPU's last-level cache) each
-call is preceded by reading it, outside the timed part: the call then finds its data in memory, not in a
-cache, as a layer of a real decode step does after 29 other layers' weights streamed through.
+Interleaving (f, g, f, g, ...) lets a busy moment of a shared machine hit every contender alike, and
+the median ignores the rounds it spoiled. With ``flush`` (a tensor bigger than the CPU's last-level
+cache) each call is preceded by reading it, outside the timed part: the call then finds its data in
+memory, not in a cache, as a layer of a real decode step does after 29 other layers' weights
+streamed through.
 """
 
 from __future__ import annotations

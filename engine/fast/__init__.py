@@ -1,21 +1,24 @@
 """The fast wing: everything that makes a step faster without changing what it computes.
 
-The spine (engine/runner.py, engine/model.py, engine/sampling.py, ...) is the readable engine and never
-imports this package; `speed="fast"` brings it in through ONE door, engine/speed.py, which calls
-`accelerate` below once per engine. What comes back is an `engine.runner.Acceleration`: the seams the
-spine defines, filled in with faster parts.
+The spine (engine/runner.py, engine/model.py, engine/sampling.py, ...) is the readable engine and
+never imports this package; `speed="fast"` brings it in through ONE door, engine/speed.py, which
+calls `accelerate` below once per engine. What comes back is an `engine.runner.Acceleration`: the
+seams the spine defines, filled in with faster parts.
 
     the model        a transformed COPY, built once (engine/surgery.py does the walking):
                      fused_projections.py  q/k/v and gate/up as one matrix each
-                     packed_linear.py      every linear in the layout this CPU's matmul reads fastest
+                     packed_linear.py      each linear in the layout this CPU's matmul reads fastest
                      native_ops.py         RMSNorm, SiLU-times-up, RoPE as fused C ops
-    attention        attention.py: "sdpa" and "native" planned once per step; the teaching kernels by name
-    decode step      native_layers.py: a small decode step's layers in ONE C call (a `runner.DecodeStep`)
+    attention        attention.py: "sdpa" and "native" planned once per step; the teaching
+                     kernels by name
+    decode step      native_layers.py: a small decode step's layers in ONE C call
+                     (a `runner.DecodeStep`)
     argmax           the sampler's greedy argmax over a batch, in C
 
-Which of these run is decided by probes.py, once, with the reasons in words (`Choices`); `FastOptions`
-(engine/config.py) overrides them. Everything here is checked against the spine: the same greedy tokens as
-the naive loop, logits equal up to float rounding (the tests run both speeds).
+Which of these run is decided by probes.py, once, with the reasons in words (`Choices`);
+`FastOptions` (engine/config.py) overrides them. Everything here is checked against the spine: the
+same greedy tokens as the naive loop, logits equal up to float rounding (the tests run both
+speeds).
 """
 
 from __future__ import annotations
@@ -38,19 +41,23 @@ PLANNED = ("sdpa", "native")  # the backends that plan a step once (attention.py
 
 def accelerate(model, kv_pool, options: FastOptions, sliding_window: int | None,
                num_threads: int, transform_model: bool = True) -> Acceleration:
-    """The fast parts for one engine: a transformed copy of `model` (`transform_model=False` keeps the model
-    as given: a tensor-parallel rank's shards), its attention backend, decode step and argmax."""
+    """The fast parts for one engine: a transformed copy of `model` (`transform_model=False` keeps
+    the model as given: a tensor-parallel rank's shards), its attention backend, decode step and
+    argmax."""
     choices = probes.Choices()
-    name, choices.reasons["attention"] = probes.attention_backend(options.attention_backend, kv_pool.device,
-                                                                   kv_pool.dtype)
+    name, choices.reasons["attention"] = probes.attention_backend(options.attention_backend,
+                                                                   kv_pool.device, kv_pool.dtype)
     attention = (PlannedAttention(kv_pool, name, sliding_window) if name in PLANNED else
                  KernelAttention(kv_pool, name, sliding_window))
     choices.attention = attention.backend  # a backend that could not run fell back (with a warning)
-    weight = model.embed_tokens.weight if transform_model else None  # (a pipeline stage may have none)
-    packed = transform_model and probes.use_packed(options.weight_layout, weight.dtype, weight.device)
+    # (a pipeline stage may have none)
+    weight = model.embed_tokens.weight if transform_model else None
+    packed = transform_model and probes.use_packed(options.weight_layout, weight.dtype,
+                                                   weight.device)
     choices.weight_layout = "packed" if packed else "linear"
     choices.reasons["weight_layout"] = ("fused and packed for this CPU's matmuls" if packed else
-                                        "kept as nn.Linear (" + _why_linear(options, transform_model) + ")")
+                                        "kept as nn.Linear ("
+                                        + _why_linear(options, transform_model) + ")")
     if packed:
         model = pack_linears(fuse_projections(model), blocks=num_threads)
         if options.layer_backend == "auto":
@@ -58,13 +65,14 @@ def accelerate(model, kv_pool, options: FastOptions, sliding_window: int | None,
     decode_step = native_layers_or_none(model, attention, options.layer_backend) if packed else None
     choices.layer_backend = "native" if decode_step is not None else "python"
     choices.reasons["layer_backend"] = ("small decode steps run every layer in one C call"
-                                        if decode_step is not None else _why_python(model, attention, options))
+                                        if decode_step is not None
+                                        else _why_python(model, attention, options))
     return Acceleration(model, attention, decode_step, fast_argmax, choices.as_dict())
 
 
 def fast_argmax(logits: Tensor) -> Tensor:
-    """[P, V] -> [P]: the C argmax where it runs, else torch's; the same index either way (the first of
-    equal maxima)."""
+    """[P, V] -> [P]: the C argmax where it runs, else torch's; the same index either way (the
+    first of equal maxima)."""
     if why_layer_ops_cannot_run(logits) is None:
         return argmax_rows_native(logits)
     return argmax_rows(logits)

@@ -5,19 +5,22 @@ q_proj, k_proj and v_proj all multiply the same input x; so do gate_proj and up_
 weights along the output axis gives one matrix, and one matmul computes all three outputs at once:
 
     W_q [H*D, E]                     ┐
-    W_k [Hkv*D, E]   ─ stacked ─►    │ W_qkv [(H + 2 Hkv) * D, E]      x W_qkv^T ─► [..., (H + 2 Hkv) * D]
-    W_v [Hkv*D, E]                   ┘                                  └─ split ─► q, k, v (views, no copy)
+    W_k [Hkv*D, E]   ─ stacked ─►    │ W_qkv [(H + 2 Hkv) * D, E]
+    W_v [Hkv*D, E]                   ┘
 
-The arithmetic is the same: every output is the same row times the same x, so the numbers equal the three
-separate matmuls' up to float rounding (and exactly, for a kernel that sums each row in one fixed order).
-What changes is the cost around the arithmetic: at decode time a matmul is small, and each call pays its
-dispatch, reads x again and, for the native int4/int8 kernel, rounds x to int8 again: fusing turns 7
-matmuls per layer into 4 (benchmarks/results/quantization.md has the engine's numbers).
+    x W_qkv^T ─► [..., (H + 2 Hkv) * D] ─ split ─► q, k, v (views, no copy)
 
-The fast wing fuses a COPY of the model (engine/surgery.py), so the model you passed in keeps its separate
-q/k/v layers. Layers that cannot be stacked stay separate: quantized layers stack only if they share bits,
-group size and kernel, with per-channel or per-group scales (a per-tensor scale is one number per matrix)
-and no activation quantization or smoothing of their own.
+The arithmetic is the same: every output is the same row times the same x, so the numbers equal the
+three separate matmuls' up to float rounding (and exactly, for a kernel that sums each row in one
+fixed order). What changes is the cost around the arithmetic: at decode time a matmul is small, and
+each call pays its dispatch, reads x again and, for the native int4/int8 kernel, rounds x to int8
+again: fusing turns 7 matmuls per layer into 4 (benchmarks/results/quantization.md has the engine's
+numbers).
+
+The fast wing fuses a COPY of the model (engine/surgery.py), so the model you passed in keeps its
+separate q/k/v layers. Layers that cannot be stacked stay separate: quantized layers stack only if
+they share bits, group size and kernel, with per-channel or per-group scales (a per-tensor scale is
+one number per matrix) and no activation quantization or smoothing of their own.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ class FusedMLP(MLP):
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose attention layers and MLPs are fused where their layers can be stacked; the
-    original model is left as it was (every other tensor is shared)."""
+    """A copy of `model` whose attention layers and MLPs are fused where their layers can be
+    stacked; the original model is left as it was (every other tensor is shared)."""
     return replaced(model, _fused)
 
 
@@ -74,8 +77,8 @@ def _fused(name: str, module: nn.Module) -> nn.Module | None:
 
 
 def stack_linears(parts) -> nn.Module | None:
-    """One layer computing every part's output side by side ([..., sum of N]), or None if they cannot
-    be stacked."""
+    """One layer computing every part's output side by side ([..., sum of N]), or None if they
+    cannot be stacked."""
     if all(type(p) is nn.Linear for p in parts):
         return _stack_float(parts)
     if all(type(p) is QuantLinear for p in parts):
@@ -85,11 +88,12 @@ def stack_linears(parts) -> nn.Module | None:
 
 def _stack_float(parts) -> nn.Linear | None:
     w0 = parts[0].weight
-    if any(p.weight.dtype != w0.dtype or p.weight.device != w0.device or p.in_features != w0.shape[1]
-           for p in parts) or len({p.bias is None for p in parts}) != 1:
+    if (any(p.weight.dtype != w0.dtype or p.weight.device != w0.device
+            or p.in_features != w0.shape[1] for p in parts)
+            or len({p.bias is None for p in parts}) != 1):
         return None
-    fused = nn.Linear(w0.shape[1], sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                      device=w0.device, dtype=w0.dtype)
+    fused = nn.Linear(w0.shape[1], sum(p.out_features for p in parts),
+                      bias=parts[0].bias is not None, device=w0.device, dtype=w0.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))  # [sum N, K]
         if fused.bias is not None:
@@ -107,7 +111,8 @@ def _stack_quantized(parts) -> QuantLinear | None:
     if not same or own_scaling or mixed:
         return None
     qws = [p.qw for p in parts]
-    qw = QuantizedWeight(first.bits, torch.cat([q.qweight for q in qws]), torch.cat([q.scales for q in qws]),
+    qw = QuantizedWeight(first.bits, torch.cat([q.qweight for q in qws]),
+                         torch.cat([q.scales for q in qws]),
                          None if first.zeros is None else torch.cat([q.zeros for q in qws]),
                          first.group_size, (sum(q.shape[0] for q in qws), first.in_features))
     bias = None if first.bias is None else torch.cat([p.bias for p in parts])

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.kv.block_manager import BlockMove
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, KVCACHE_SPACE_ENV, CacheConfig, ModelConfig
 from engine.companions.memory import kv_block_bytes, num_kv_blocks
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, KVCACHE_SPACE_ENV, CacheConfig, ModelConfig
+from engine.kv.block_manager import BlockMove
 
 logger = logging.getLogger("engine")
 GiB = 2**30

@@ -1,8 +1,9 @@
-"""`python -m engine demo` (and `make demo`): the bundled model at work, in a terminal, in two parts.
+"""`python -m engine demo` (and `make demo`): the bundled model at work,
+in a terminal, in two parts.
 
-Part 1 (`task_demo`) runs one held-out prompt of each task and prints the prompt, the output, whether
-it is right, and the timings. Part 2 (`step_through_demo`, the classroom demo of chapter 05) shows the
-engine's scheduler at work, one step at a time:
+Part 1 (`task_demo`) runs one held-out prompt of each task and prints the prompt, the output,
+whether it is right, and the timings. Part 2 (`step_through_demo`, the classroom demo of chapter 05)
+shows the engine's scheduler at work, one step at a time:
 
     python -m engine demo --steps 40 --no-pause
 
@@ -20,11 +21,11 @@ is preempted to make room for r1's next token; r3 will be prefilled again, answe
       r1    json    decode   out  3/64          3 blocks  ' {"name":'
       r2    refuse  decode   out  3/24          3 blocks  ' Sure, here'
 
-and at the end the run's summary (from `engine/companions/metrics.py`): throughput, TTFT (mean, P50, P95, P99), TPOT,
-preemptions.
+and at the end the run's summary (from `engine/companions/metrics.py`): throughput,
+TTFT (mean, P50, P95, P99), TPOT, preemptions.
 
-The arrivals driver behind it (`run_arrivals`, also behind chapter 05's experiments) lives with the other
-workloads in `engine/lab/workloads.py`.
+The arrivals driver behind it (`run_arrivals`, also behind chapter 05's experiments) lives with the
+other workloads in `engine/lab/workloads.py`.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ import time
 import torch
 
 from engine.companions.kv_cache import generate_cached
+from engine.companions.metrics import trace_summary
 from engine.lab import tasks
 from engine.lab.workloads import Arrival, run_arrivals
 from engine.llm_engine import LLMEngine
 from engine.loading.loader import load_model
-from engine.companions.metrics import trace_summary
 from engine.sampling import SamplingParams
 from engine.threads import torch_threads
 from engine.trace import StepReport, Trace
@@ -55,7 +56,8 @@ DEMO_NUM_BLOCKS = 45
 DEMO_MAX_NUM_SEQS = 4
 DEMO_TOKEN_BUDGET = 64  # tokens per step: the long prompt takes several steps (chunked prefill)
 DEMO_SEED = 5  # which held-out prompts (any seed works; this one gives a mix of output lengths)
-DEMO_TASKS = ("arith", "json", "refuse", "story") * 2 + ("arith",)  # short answers and long ones, mixed
+# short answers and long ones, mixed
+DEMO_TASKS = ("arith", "json", "refuse", "story") * 2 + ("arith",)
 STORY_MAX_TOKENS = 32  # stories have no fixed answer length: a sentence or two
 LONG_PROMPT_TOKENS = 300  # a recall prompt this long arrives among the short ones
 PAUSE_S = 0.6  # between steps when nobody can press Enter (stdin is not a terminal)
@@ -68,35 +70,40 @@ LINE_WIDTH = 100  # of the step headers: fits a classroom terminal at a readable
 DEMO_TORCH_THREADS = 1
 
 
-# ---- the demo's workload -----------------------------------------------------------------------------
+# ---- the demo's workload -------------------------------------------------------------------------
 
 
 def demo_arrivals(seed: int = DEMO_SEED) -> list[Arrival]:
-    """Nine short task prompts arriving two steps apart, and one long recall prompt right after the first."""
+    """Nine short task prompts arriving two steps apart,
+    and one long recall prompt right after the first."""
     base = tasks.EVAL_SEED_BASE + seed
     draws = {task: iter(tasks.eval_examples(task, DEMO_TASKS.count(task), seed=base))
              for task in set(DEMO_TASKS)}
     arrivals = []
     for k, task in enumerate(DEMO_TASKS):
-        params = SamplingParams(temperature=0.0, max_tokens=tasks.MAX_NEW_TOKENS.get(task, STORY_MAX_TOKENS))
+        params = SamplingParams(temperature=0.0,
+                                max_tokens=tasks.MAX_NEW_TOKENS.get(task, STORY_MAX_TOKENS))
         prompt = next(draws[task]).prompt
-        arrivals.append(Arrival(step=2 * k, prompt=prompt, params=params, request_id=f"r{k}", label=task))
+        arrivals.append(Arrival(step=2 * k, prompt=prompt, params=params, request_id=f"r{k}",
+                                label=task))
     long = tasks.recall_examples_at_length(1, LONG_PROMPT_TOKENS, seed=base)[0]
     params = SamplingParams(temperature=0.0, max_tokens=tasks.MAX_NEW_TOKENS["recall"])
-    arrivals.insert(1, Arrival(step=1, prompt=long.prompt, params=params, request_id="long", label="recall"))
+    arrivals.insert(1, Arrival(step=1, prompt=long.prompt, params=params, request_id="long",
+                               label="recall"))
     return arrivals
 
 
 def demo_engine(model_name: str = "tinylab", num_blocks: int = DEMO_NUM_BLOCKS,
                 speed: str | None = None) -> LLMEngine:
-    """The demo's engine: continuous batching, chunked prefill, a small pool, recompute preemption."""
+    """The demo's engine: continuous batching, chunked prefill, a small pool,
+    recompute preemption."""
     return LLMEngine.from_pretrained(model_name, speed=speed, max_num_seqs=DEMO_MAX_NUM_SEQS,
                                      num_blocks=num_blocks,
                                      block_size=DEMO_BLOCK_SIZE, enable_chunked_prefill=True,
                                      max_num_batched_tokens=DEMO_TOKEN_BUDGET)
 
 
-# ---- the live view -----------------------------------------------------------------------------------
+# ---- the live view -------------------------------------------------------------------------------
 
 
 def kv_bar(used: int, total: int, width: int = BAR_WIDTH) -> str:
@@ -114,7 +121,8 @@ def _request_line(s, engine: LLMEngine, labels: dict[str, str]) -> str:
     label = labels.get(s.request_id, "")
     blocks = len(engine.trace[-1].blocks.tables.get(s.request_id, []))
     if s.phase == "prefill":
-        known = req.num_tokens - s.tokens_out  # to prefill: the prompt (+ outputs, after a recompute)
+        # to prefill: the prompt (+ outputs, after a recompute)
+        known = req.num_tokens - s.tokens_out
         what = f"prefill  [{s.start}, {s.end}) of {known}"
         what += " (recompute)" if known > len(req.prompt_token_ids) else ""
     else:
@@ -124,9 +132,10 @@ def _request_line(s, engine: LLMEngine, labels: dict[str, str]) -> str:
         f"  {s.request_id:<5} {label:<7} {what:<34} {blocks:>2} blocks"
 
 
-AFTER_THE_FORWARD = ("finished", "forked")  # events printed under the request lines; the rest come before
-EVENT_MARKS = {"arrived": "+", "admitted": ">", "preempted": "!", "swapped_in": "<", "finished": "✓",
-               "aborted": "x"}
+# events printed under the request lines; the rest come before
+AFTER_THE_FORWARD = ("finished", "forked")
+EVENT_MARKS = {"arrived": "+", "admitted": ">", "preempted": "!", "swapped_in": "<",
+               "finished": "✓", "aborted": "x"}
 
 
 def _event_line(e: dict) -> str:
@@ -149,7 +158,8 @@ def format_step(report: StepReport, engine: LLMEngine, labels: dict[str, str]) -
     decodes = sum(s.phase == "decode" for s in report.scheduled)
     prefills = [f"prefill {s.request_id} [{s.start}, {s.end})" for s in report.scheduled
                 if s.phase == "prefill"]
-    work = " + ".join(([f"{decodes} decode{'s' * (decodes != 1)}"] if decodes else []) + prefills) or "idle"
+    work = (" + ".join(([f"{decodes} decode{'s' * (decodes != 1)}"] if decodes else []) + prefills)
+            or "idle")
     ms = 1e3 * (report.end_time - report.start_time)
     head = f"── step {report.step} ─ {work} = {report.num_tokens} tokens ─ {ms:.0f} ms "
     b, q = report.blocks, report.queues
@@ -171,11 +181,12 @@ def format_summary(trace: Trace) -> str:
         "── summary ".ljust(LINE_WIDTH, "─"),
         f"{m.finished}/{m.requests} requests finished in {m.steps} steps, {m.duration_s:.1f} s; "
         f"{m.output_tokens} tokens generated",
-        f"throughput   {m.throughput_tok_s:.1f} tokens/s   ({m.tokens_per_step:.2f} tokens per step)",
-        f"TTFT         mean {_ms(ttft.mean)}   P50 {_ms(ttft.p50)}   P95 {_ms(ttft.p95)}   P99 {_ms(ttft.p99)}"
-        f"   (mean {m.ttft_steps.mean:.1f} steps)",
-        f"TPOT         mean {_ms(tpot.mean)}   P99 {_ms(tpot.p99)}   (longest gap between two tokens: "
-        f"{_ms(itl.max)})",
+        f"throughput   {m.throughput_tok_s:.1f} tokens/s   "
+        f"({m.tokens_per_step:.2f} tokens per step)",
+        f"TTFT         mean {_ms(ttft.mean)}   P50 {_ms(ttft.p50)}   P95 {_ms(ttft.p95)}   "
+        f"P99 {_ms(ttft.p99)}   (mean {m.ttft_steps.mean:.1f} steps)",
+        f"TPOT         mean {_ms(tpot.mean)}   P99 {_ms(tpot.p99)}   "
+        f"(longest gap between two tokens: {_ms(itl.max)})",
         f"preemptions  {m.preemptions}",
     ])
 
@@ -208,8 +219,8 @@ def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pau
     arrivals = demo_arrivals()
     labels = {a.request_id: a.label for a in arrivals}
     print(f"== the engine, step by step: {len(arrivals)} requests arrive over time; KV pool of "
-          f"{DEMO_NUM_BLOCKS} blocks x {DEMO_BLOCK_SIZE} tokens; at most {DEMO_MAX_NUM_SEQS} running; "
-          f"{DEMO_TOKEN_BUDGET} tokens per step ==\n")
+          f"{DEMO_NUM_BLOCKS} blocks x {DEMO_BLOCK_SIZE} tokens; "
+          f"at most {DEMO_MAX_NUM_SEQS} running; {DEMO_TOKEN_BUDGET} tokens per step ==\n")
     state: dict = {}
 
     def show(report: StepReport, eng: LLMEngine) -> None:
@@ -228,9 +239,10 @@ def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pau
     return trace
 
 
-# ---- part 1: one prompt per task ---------------------------------------------------------------------
+# ---- part 1: one prompt per task -----------------------------------------------------------------
 
-TASK_DEMO_SEED = 2026  # which held-out examples the demo shows (any seed works: they are all held out)
+# which held-out examples the demo shows (any seed works: they are all held out)
+TASK_DEMO_SEED = 2026
 PROMPT_PREVIEW_CHARS = 160  # recall prompts are long; show their end, where the question is
 
 
@@ -246,15 +258,18 @@ def _is_correct(ex: tasks.Example, text: str) -> bool:
 def task_demo(model_name: str = "tinylab") -> int:
     """One prompt per task; returns how many of the checkable ones were correct."""
     model, tok = load_model(model_name)
-    print(f"== {model_name}: {model.config.num_params() / 1e6:.1f}M parameters, one held-out prompt per task ==\n")
+    print(f"== {model_name}: {model.config.num_params() / 1e6:.1f}M parameters, "
+          "one held-out prompt per task ==\n")
     correct = 0
     for task in tasks.TASKS:
         ex = tasks.eval_examples(task, 1, seed=tasks.EVAL_SEED_BASE + TASK_DEMO_SEED)[0]
         max_tokens = tasks.MAX_NEW_TOKENS.get(task, 48)
         start = time.perf_counter()
-        out = generate_cached(model, tok, ex.prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        out = generate_cached(model, tok, ex.prompt,
+                              SamplingParams(temperature=0.0, max_tokens=max_tokens))
         seconds = time.perf_counter() - start
-        prompt = ex.prompt if len(ex.prompt) <= PROMPT_PREVIEW_CHARS else "…" + ex.prompt[-PROMPT_PREVIEW_CHARS:]
+        prompt = (ex.prompt if len(ex.prompt) <= PROMPT_PREVIEW_CHARS
+                  else "…" + ex.prompt[-PROMPT_PREVIEW_CHARS:])
         print(f"[{task}] prompt ({len(out.prompt_ids)} tokens): {prompt!r}")
         print(f"    output: {out.text!r}")
         if task == "story":
@@ -274,13 +289,15 @@ def task_demo(model_name: str = "tinylab") -> int:
     return correct
 
 
-REAL_MODEL = "smollm2-135m-instruct"  # a real pretrained model, converted once from its GGUF file (engine/loading/gguf.py)
+# a real pretrained model, converted once from its GGUF file (engine/loading/gguf.py)
+REAL_MODEL = "smollm2-135m-instruct"
 REAL_MODEL_QUESTIONS = ("What is the capital of France?", "Name three primary colors.")
 REAL_MODEL_MAX_TOKENS = 48
 
 
 def real_model_demo(name: str = REAL_MODEL, speed: str | None = None) -> None:
-    """The same engine on a real 135M-parameter model: a couple of chat questions through its chat template."""
+    """The same engine on a real 135M-parameter model:
+    a couple of chat questions through its chat template."""
     from engine.llm import LLM
 
     try:
@@ -288,11 +305,12 @@ def real_model_demo(name: str = REAL_MODEL, speed: str | None = None) -> None:
     except FileNotFoundError as err:  # the model's package is not installed: say how, and go on
         print(f"== {name}: skipped ({err})\n")
         return
-    print(f"== {name}: {llm.engine.model.config.num_params() / 1e6:.0f}M parameters, a real pretrained model, "
-          f"greedy, through its chat template ==\n")
+    print(f"== {name}: {llm.engine.model.config.num_params() / 1e6:.0f}M parameters, "
+          f"a real pretrained model, greedy, through its chat template ==\n")
     params = SamplingParams(temperature=0.0, max_tokens=REAL_MODEL_MAX_TOKENS)
     conversations = [[{"role": "user", "content": q}] for q in REAL_MODEL_QUESTIONS]
-    for question, out in zip(REAL_MODEL_QUESTIONS, llm.chat(conversations, params, use_tqdm=False), strict=True):
+    for question, out in zip(REAL_MODEL_QUESTIONS,
+                             llm.chat(conversations, params, use_tqdm=False), strict=True):
         answer = out.outputs[0]
         print(f"[user] {question}\n    [assistant] {answer.text.strip()!r}")
         print(f"    {len(answer.token_ids)} tokens, TTFT {out.metrics.ttft_s * 1e3:.0f} ms, "
@@ -302,7 +320,8 @@ def real_model_demo(name: str = REAL_MODEL, speed: str | None = None) -> None:
 def run_demo(args) -> None:
     with torch_threads(DEMO_TORCH_THREADS):
         correct = task_demo(args.model)
-    print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct ({DEMO_TORCH_THREADS} torch thread).\n")
+    print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct "
+          f"({DEMO_TORCH_THREADS} torch thread).\n")
     speed = getattr(args, "speed", None)
     real_model_demo(speed=speed)
     step_through_demo(args.model, args.steps, pause=not args.no_pause, speed=speed)

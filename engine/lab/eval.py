@@ -49,22 +49,26 @@ def nll_fn_for(model: LlamaModel, tokenizer: Tokenizer):
     @torch.inference_mode()
     def nll(prompt: str, target: str) -> tuple[float, int]:
         prompt_ids = tokenizer.encode(prompt)
-        target_ids = tokenizer.encode(target, add_special_tokens=False) + tokenizer.eos_token_ids[:1]
+        target_ids = (tokenizer.encode(target, add_special_tokens=False)
+                      + tokenizer.eos_token_ids[:1])
         ids = torch.tensor([prompt_ids + target_ids])  # [1, T]
         logits = model(ids[:, :-1])[0].float()  # [T-1, V]: position t predicts token t+1
         picked = logits[len(prompt_ids) - 1:]  # the positions that predict the target tokens
-        return F.cross_entropy(picked, ids[0, len(prompt_ids):], reduction="sum").item(), len(target_ids)
+        return (F.cross_entropy(picked, ids[0, len(prompt_ids):], reduction="sum").item(),
+                len(target_ids))
 
     return nll
 
 
 def evaluate_model(model: LlamaModel, tokenizer: Tokenizer, task_names=tasks.TASKS, n: int = 100,
-                   window: int | None = None, progress: bool = True, kv_cache_dtype: str = "auto") -> list[dict]:
+                   window: int | None = None, progress: bool = True,
+                   kv_cache_dtype: str = "auto") -> list[dict]:
     """Rows of {task, metric, value, n} for the held-out suite (see `tasks.format_table`). With
-    ``kv_cache_dtype="int8"`` completions come from the paged engine with int8 K/V (the story perplexity
-    is always the float model's: it scores one forward pass, no cache)."""
+    ``kv_cache_dtype="int8"`` completions come from the paged engine with int8 K/V (the story
+    perplexity is always the float model's: it scores one forward pass, no cache)."""
     generate = greedy_generate_fn(model, tokenizer, window)
     if kv_cache_dtype != "auto":
-        generate = engine_generate_fn(model, tokenizer, kv_cache_dtype=kv_cache_dtype, sliding_window=window)
+        generate = engine_generate_fn(model, tokenizer, kv_cache_dtype=kv_cache_dtype,
+                                      sliding_window=window)
     return tasks.evaluate(generate, tasks=task_names, n=n,
                           nll_fn=nll_fn_for(model, tokenizer), progress=progress)

@@ -1,28 +1,30 @@
-"""Planted incidents (chapter 10): reproducible runs of the engine in which something goes wrong halfway,
+"""Planted incidents (chapter 10): reproducible engine runs in which something goes wrong halfway,
 each leaving a `Trace` for `engine.serving.diagnose` (and a student) to explain.
 
-Every scenario is the same steady workload (requests of two tenants arriving at a fixed pace, step by
-step, with seeded random prompts and fixed output lengths), healthy in its first half; halfway, one thing
-changes:
+Every scenario is the same steady workload (requests of two tenants arriving at a fixed pace, step
+by step, with seeded random prompts and fixed output lengths), healthy in its first half; halfway,
+one thing changes:
 
     healthy              nothing changes (the control: the diagnosis must call it healthy)
     long_prompts         the traffic mix shifts: new prompts are several times longer
-    kv_pool_too_small    the KV pool was sized too small: running requests keep preempting each other
+    kv_pool_too_small    the KV pool was sized too small: running requests keep preempting each
+                         other
     slow_detokenizer     a detokenizer upgrade costs milliseconds per token (a delay in a wrapper)
     tenant_flood         one tenant starts sending several requests per step
-    prefix_cache_collapse  a new chat template puts a per-request line BEFORE the shared system prompt,
-                         so no two prompts share a prefix any more (the deploy recorded the change)
-    pruned_model         a deploy swaps in the model cut to its first half of layers: every step is faster,
-                         and the answers are wrong (the deploy recorded the change)
+    prefix_cache_collapse  a new chat template puts a per-request line BEFORE the shared system
+                         prompt, so no two prompts share a prefix any more (the deploy recorded the
+                         change)
+    pruned_model         a deploy swaps in the model cut to its first half of layers: every step is
+                         faster, and the answers are wrong (the deploy recorded the change)
 
-The last one is invisible to steps (1)-(5) of the troubleshooting order, which look for slowness. Its
-requests are probes with known answers (held-out `arith` examples of engine/lab/tasks.py); after the run we
-score the answers of each half and store them in `trace.config["quality"]` as {version: rows of
-engine/lab/eval.py}, the quality record that step (6) of `engine.serving.diagnose` compares.
+The last one is invisible to steps (1)-(5) of the troubleshooting order, which look for slowness.
+Its requests are probes with known answers (held-out `arith` examples of engine/lab/tasks.py); after
+the run we score the answers of each half and store them in `trace.config["quality"]` as {version:
+rows of engine/lab/eval.py}, the quality record that step (6) of `engine.serving.diagnose` compares.
 
-Arrivals are tied to engine steps, not to the wall clock, and every answer has exactly its drawn length
-(greedy, EOS ignored): the queues, blocks, preemptions and cache hits are the same on every machine;
-only the seconds differ.
+Arrivals are tied to engine steps, not to the wall clock, and every answer has exactly its drawn
+length (greedy, EOS ignored): the queues, blocks, preemptions and cache hits are the same on every
+machine; only the seconds differ.
 
     python -m engine.lab.incidents --out runs/incidents     # one TRACE.json per scenario
     python -m engine diagnose runs/incidents/tenant_flood.json
@@ -49,8 +51,10 @@ from engine.sampling import SamplingParams
 from engine.trace import Trace
 
 MODEL = "tinylab"
-NUM_REQUESTS = 32  # 16 before the incident, 16 after: enough for medians, a few seconds per scenario
-STEPS_BETWEEN_ARRIVALS = 2  # steady load: about half a seat-turnover per step with ~16-token answers
+# 16 before the incident, 16 after: enough for medians, a few seconds per scenario
+NUM_REQUESTS = 32
+# steady load: about half a seat-turnover per step with ~16-token answers
+STEPS_BETWEEN_ARRIVALS = 2
 PROMPT_TOKENS = (24, 40)  # uniform range of a normal prompt
 LONG_PROMPT_TOKENS = (160, 240)  # after the mix shift: about 6x longer
 OUTPUT_TOKENS = (8, 14)
@@ -60,7 +64,8 @@ FLOOD_PER_STEP = 2  # the flooding tenant's requests per step (the normal pace i
 DETOKENIZER_DELAY_S = 0.003  # per token: ~10x what detokenizing one token costs, ~1 tinylab forward
 SYSTEM_PROMPT_TOKENS = 96  # the shared system prompt (6 blocks of 16) in the prefix-cache scenario
 USER_TOKENS = 8
-PRUNED_LAYERS_KEPT = 3  # of tinylab's 6: half the forward's work, and its arithmetic gone (exact match ~0.8 -> 0)
+# of tinylab's 6: half the forward's work, and its arithmetic gone (exact match ~0.8 -> 0)
+PRUNED_LAYERS_KEPT = 3
 
 
 @dataclass
@@ -70,7 +75,8 @@ class Arrival:
     max_tokens: int
     tenant: str
     template_version: str | None = None
-    example: tasks.Example | None = None  # a probe with a known answer: scored after the run (quality record)
+    # a probe with a known answer: scored after the run (quality record)
+    example: tasks.Example | None = None
 
 
 @dataclass
@@ -80,10 +86,11 @@ class Scenario:
     arrivals: list[Arrival]
     options: dict = field(default_factory=dict)  # engine_config options
     at_half: Callable[[LLMEngine], None] | None = None  # what happens at the middle step
-    versions: tuple[str, str] = ("first half", "second half")  # the quality record's names for the halves
+    # the quality record's names for the halves
+    versions: tuple[str, str] = ("first half", "second half")
 
 
-# ---- workloads -------------------------------------------------------------------------------------------
+# ---- workloads -----------------------------------------------------------------------------------
 
 
 def _prompt(rng: random.Random, lo_hi: tuple[int, int], vocab: list[int]) -> list[int]:
@@ -91,7 +98,8 @@ def _prompt(rng: random.Random, lo_hi: tuple[int, int], vocab: list[int]) -> lis
 
 
 def steady(rng: random.Random, vocab: list[int], n: int = NUM_REQUESTS, first_step: int = 0,
-           prompt_tokens: Callable[[int], tuple[int, int]] = lambda i: PROMPT_TOKENS) -> list[Arrival]:
+           prompt_tokens: Callable[[int], tuple[int, int]] = lambda i: PROMPT_TOKENS
+           ) -> list[Arrival]:
     """n requests, one every STEPS_BETWEEN_ARRIVALS steps, tenants "a" and "b" taking turns."""
     return [Arrival(first_step + i * STEPS_BETWEEN_ARRIVALS, _prompt(rng, prompt_tokens(i), vocab),
                     rng.randint(*OUTPUT_TOKENS), "ab"[i % 2]) for i in range(n)]
@@ -107,10 +115,13 @@ def scenarios(vocab: list[int], seed: int = 0) -> dict[str, Scenario]:
     out = [
         Scenario("healthy", "a steady load of two tenants; nothing changes", steady(rng, vocab)),
         Scenario("long_prompts", "halfway, the traffic mix shifts to prompts about 6x longer",
-                 steady(rng, vocab, prompt_tokens=lambda i: PROMPT_TOKENS if i < half else LONG_PROMPT_TOKENS)),
-        Scenario("kv_pool_too_small", f"the KV pool has {SMALL_POOL_BLOCKS} blocks for {MAX_NUM_SEQS} seats",
+                 steady(rng, vocab,
+                        prompt_tokens=lambda i: PROMPT_TOKENS if i < half else LONG_PROMPT_TOKENS)),
+        Scenario("kv_pool_too_small",
+                 f"the KV pool has {SMALL_POOL_BLOCKS} blocks for {MAX_NUM_SEQS} seats",
                  steady(rng, vocab), {"num_blocks": SMALL_POOL_BLOCKS}),
-        Scenario("slow_detokenizer", f"halfway, detokenizing costs {DETOKENIZER_DELAY_S * 1e3:g} ms per token",
+        Scenario("slow_detokenizer",
+                 f"halfway, detokenizing costs {DETOKENIZER_DELAY_S * 1e3:g} ms per token",
                  steady(rng, vocab), at_half=_slow_down_detokenizer),
         _tenant_flood(rng, vocab),
         _prefix_cache_collapse(rng, vocab),
@@ -125,35 +136,40 @@ def _tenant_flood(rng: random.Random, vocab: list[int]) -> Scenario:
     flood = [Arrival(_half_step() + i // FLOOD_PER_STEP, _prompt(rng, PROMPT_TOKENS, vocab),
                      rng.randint(*OUTPUT_TOKENS), "flood")
              for i in range((last - _half_step() + 1) * FLOOD_PER_STEP)]
-    return Scenario("tenant_flood", f"halfway, tenant 'flood' sends {FLOOD_PER_STEP} requests per step",
+    return Scenario("tenant_flood",
+                    f"halfway, tenant 'flood' sends {FLOOD_PER_STEP} requests per step",
                     sorted(arrivals + flood, key=lambda a: a.step))
 
 
 def _prefix_cache_collapse(rng: random.Random, vocab: list[int]) -> Scenario:
-    """Template v1: system prompt, then the user's line (a shared prefix); v2 puts the user's line first."""
+    """Template v1: system prompt, then the user's line (a shared prefix); v2 puts the user's
+    line first."""
     system = _prompt(rng, (SYSTEM_PROMPT_TOKENS, SYSTEM_PROMPT_TOKENS), vocab)
     arrivals = []
     for i, a in enumerate(steady(rng, vocab)):
         user = _prompt(rng, (USER_TOKENS, USER_TOKENS), vocab)
         v2 = i >= NUM_REQUESTS // 2
-        arrivals.append(Arrival(a.step, user + system if v2 else system + user, a.max_tokens, a.tenant,
-                                "v2" if v2 else "v1"))
-    return Scenario("prefix_cache_collapse", "halfway, a new chat template puts the user's line before the "
-                    "shared system prompt", arrivals, {"enable_prefix_caching": True}, at_half=_record_template)
+        arrivals.append(Arrival(a.step, user + system if v2 else system + user, a.max_tokens,
+                                a.tenant, "v2" if v2 else "v1"))
+    return Scenario("prefix_cache_collapse",
+                    "halfway, a new chat template puts the user's line before the "
+                    "shared system prompt", arrivals, {"enable_prefix_caching": True},
+                    at_half=_record_template)
 
 
 def _pruned_model(rng: random.Random, vocab: list[int], seed: int) -> Scenario:
-    """The steady pace and lengths, but every prompt an arith probe (its answer known), so the halves can be
-    scored; halfway the model is swapped for its first PRUNED_LAYERS_KEPT layers."""
+    """The steady pace and lengths, but every prompt an arith probe (its answer known), so the
+    halves can be scored; halfway the model is swapped for its first PRUNED_LAYERS_KEPT layers."""
     probes = tasks.eval_examples("arith", NUM_REQUESTS, seed=tasks.EVAL_SEED_BASE + seed)
     arrivals = [Arrival(a.step, ex.prompt, a.max_tokens, a.tenant, example=ex)
                 for a, ex in zip(steady(rng, vocab), probes, strict=True)]
-    return Scenario("pruned_model", f"halfway, a deploy swaps in the model cut to its first {PRUNED_LAYERS_KEPT} "
+    return Scenario("pruned_model",
+                    f"halfway, a deploy swaps in the model cut to its first {PRUNED_LAYERS_KEPT} "
                     "layers: faster steps, wrong answers", arrivals, at_half=_swap_in_pruned_model,
                     versions=(MODEL, _pruned_name()))
 
 
-# ---- what happens halfway --------------------------------------------------------------------------------
+# ---- what happens halfway ------------------------------------------------------------------------
 
 
 class SlowDetokenizer:
@@ -184,13 +200,15 @@ class SlowTokenizer:
 
 
 def _slow_down_detokenizer(engine: LLMEngine) -> None:
-    engine.tokenizer = SlowTokenizer(engine.tokenizer, DETOKENIZER_DELAY_S)  # requests added from now on
+    # requests added from now on
+    engine.tokenizer = SlowTokenizer(engine.tokenizer, DETOKENIZER_DELAY_S)
 
 
 def pruned(model: LlamaModel, keep: int) -> LlamaModel:
-    """A new model made of `model`'s embeddings, first `keep` decoder layers, final norm and head (the same
-    weights for what it keeps; `model` is untouched). Layer i keeps its index, so it reads and writes the
-    same KV-cache layer as before: a request in flight goes on with the cache it has."""
+    """A new model made of `model`'s embeddings, first `keep` decoder layers, final norm and head
+    (the same weights for what it keeps; `model` is untouched). Layer i keeps its index, so it reads
+    and writes the same KV-cache layer as before: a request in flight goes on with the cache it
+    has."""
     small = LlamaModel(dataclasses.replace(model.config, num_hidden_layers=keep))
     small.load_state_dict({name: w for name, w in model.state_dict().items()
                            if not name.startswith("layers.") or int(name.split(".")[1]) < keep})
@@ -202,8 +220,8 @@ def _pruned_name() -> str:
 
 
 def _swap_in_pruned_model(engine: LLMEngine) -> None:
-    """The deploy: the engine and its runner (engine/runner.py, which runs the forward) get the pruned model;
-    the next step runs on it."""
+    """The deploy: the engine and its runner (engine/runner.py, which runs the forward) get the
+    pruned model; the next step runs on it."""
     engine.use_model(pruned(engine.model, PRUNED_LAYERS_KEPT))  # new weights: a new model_id too
     record_change(engine, "model", MODEL, _pruned_name())
 
@@ -213,23 +231,27 @@ def _record_template(engine: LLMEngine) -> None:
 
 
 def record_change(engine: LLMEngine, what: str, old, new) -> None:
-    """Write a `config_changed` event into the last step of the engine's trace (what a deploy tool does)."""
-    engine.trace.steps[-1].events.append({"type": "config_changed", "what": what, "old": old, "new": new,
-                                          "time": engine.clock()})
+    """Write a `config_changed` event into the last step of the engine's trace
+    (what a deploy tool does)."""
+    engine.trace.steps[-1].events.append({"type": "config_changed", "what": what, "old": old,
+                                          "new": new, "time": engine.clock()})
 
 
-# ---- running one ------------------------------------------------------------------------------------------
+# ---- running one ---------------------------------------------------------------------------------
 
 
 def usable_vocab(tokenizer) -> list[int]:
-    special = {i for i in (tokenizer.bos_token_id, tokenizer.pad_token_id, *tokenizer.eos_token_ids) if i is not None}
+    special = {i for i in (tokenizer.bos_token_id, tokenizer.pad_token_id, *tokenizer.eos_token_ids)
+               if i is not None}
     special |= set(tokenizer.tk.get_added_tokens_decoder())
     return [i for i in range(tokenizer.vocab_size) if i not in special]
 
 
 def run_scenario(scenario: Scenario, model, tokenizer) -> Trace:
-    """Replay the scenario's arrivals step by step until every request is finished; returns the trace."""
-    engine = LLMEngine(model, tokenizer, engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **scenario.options))
+    """Replay the scenario's arrivals step by step until every request is finished;
+    returns the trace."""
+    engine = LLMEngine(model, tokenizer,
+                       engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **scenario.options))
     engine.trace.config["scenario"] = scenario.name
     pending, step = sorted(scenario.arrivals, key=lambda a: a.step), 0
     probes: list[tuple[Arrival, str]] = []  # (arrival with a known answer, its request id)
@@ -238,8 +260,9 @@ def run_scenario(scenario: Scenario, model, tokenizer) -> Trace:
             scenario.at_half(engine)
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            rid = engine.add_request(a.prompt, SamplingParams(temperature=0, max_tokens=a.max_tokens,
-                                                              ignore_eos=True),
+            rid = engine.add_request(a.prompt,
+                                     SamplingParams(temperature=0, max_tokens=a.max_tokens,
+                                                    ignore_eos=True),
                                      tenant=a.tenant, template_version=a.template_version)
             if a.example is not None:
                 probes.append((a, rid))
@@ -250,7 +273,8 @@ def run_scenario(scenario: Scenario, model, tokenizer) -> Trace:
     return engine.trace
 
 
-def quality_record(engine: LLMEngine, probes: list[tuple[Arrival, str]], versions: tuple[str, str]) -> dict:
+def quality_record(engine: LLMEngine, probes: list[tuple[Arrival, str]],
+                   versions: tuple[str, str]) -> dict:
     """The probes' answers scored by the half they arrived in: {version: rows of engine/lab/eval.py}
     ({"task", "metric", "value", "n"}; the metrics of `tasks.score` that are single numbers)."""
     record = {}
@@ -269,7 +293,8 @@ def quality_record(engine: LLMEngine, probes: list[tuple[Arrival, str]], version
 
 
 def run_incident(name: str, seed: int = 0, model=None, tokenizer=None) -> Trace:
-    """The trace of one scenario by name (see the module docstring); loads tinylab unless given a model."""
+    """The trace of one scenario by name (see the module docstring);
+    loads tinylab unless given a model."""
     if model is None:
         from engine.loading.loader import load_model
 
@@ -281,8 +306,10 @@ def run_incident(name: str, seed: int = 0, model=None, tokenizer=None) -> Trace:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.lab.incidents", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="runs/incidents", help="folder for one <scenario>.json trace each")
+    p = argparse.ArgumentParser(prog="python -m engine.lab.incidents",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/incidents",
+                   help="folder for one <scenario>.json trace each")
     p.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -1,10 +1,11 @@
-"""Look inside a model: where its parameters are, what shape each stage's output has, how text is cut.
+"""Look inside a model: where its parameters are,
+what shape each stage's output has, how text is cut.
 
 Chapter 00 uses these three views of the same `LlamaModel` and `Tokenizer`:
 
-    parameter_table(model)           one row per component: params, bytes at the model's dtype, share
-    trace_shapes(model, input_ids)   (module name, output shape) for every stage of one forward pass
-    tokenization_table(tok, text)    one row per token: id, piece, the UTF-8 bytes it covers
+    parameter_table(model)          one row per component: params, bytes at the model's dtype, share
+    trace_shapes(model, input_ids)  (module name, output shape) for every stage of one forward pass
+    tokenization_table(tok, text)   one row per token: id, piece, the UTF-8 bytes it covers
 
 Nothing here changes the model: `trace_shapes` attaches forward hooks only inside a `with` block
 (`recording_shapes`) and removes them on the way out, even when the forward raises.
@@ -24,7 +25,8 @@ from engine.tokenizer import Tokenizer
 # ---------------------------------------------------------------------------- parameters
 
 # The components of a Llama-family decoder, in the order a token meets them, and how we recognise
-# each one's parameters by name (a parameter belongs to the first component whose marker it contains).
+# each one's parameters by name (a parameter belongs to the first component whose marker it
+# contains).
 COMPONENTS: tuple[tuple[str, str], ...] = (
     ("embeddings", "embed_tokens."),
     ("attention q", "self_attn.q_proj."),
@@ -100,7 +102,8 @@ LAYER_STAGES = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self
 
 
 def traced_module_names(model: LlamaModel, layers: Iterable[int] | None = None) -> list[str]:
-    """The submodules `trace_shapes` listens to: embeddings, each chosen layer's stages, norm, lm_head."""
+    """The submodules `trace_shapes` listens to: embeddings,
+    each chosen layer's stages, norm, lm_head."""
     n_layers = len(model.layers)
     chosen = range(n_layers) if layers is None else list(layers)
     for i in chosen:
@@ -139,15 +142,17 @@ def recording_shapes(model: nn.Module, names: Iterable[str]) -> Iterator[list[tu
 
 def trace_shapes(model: LlamaModel, input_ids: Tensor,
                  layers: Iterable[int] | None = None) -> list[tuple[str, tuple]]:
-    """Run one forward pass over `input_ids` [B, T] and return each stage's (name, output shape), in order.
+    """Run one forward pass over `input_ids` [B, T]
+    and return each stage's (name, output shape), in order.
 
-    `layers` picks which decoder layers to list (None: all of them; every layer has the same shapes).
-    For tinylab and 5 tokens the list starts `("embed_tokens", (1, 5, 256))` and ends
+    `layers` picks which decoder layers to list (None: all of them; every layer has the same
+    shapes). For tinylab and 5 tokens the list starts `("embed_tokens", (1, 5, 256))` and ends
     `("lm_head", (1, 5, 1024))`: one row of logits over the vocabulary per position.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-    with recording_shapes(model, traced_module_names(model, layers)) as records, torch.inference_mode():
+    with (recording_shapes(model, traced_module_names(model, layers)) as records,
+          torch.inference_mode()):
         model(input_ids)
     return records
 
@@ -156,7 +161,8 @@ def trace_shapes(model: LlamaModel, input_ids: Tensor,
 
 
 def _byte_level_alphabet() -> dict[str, int]:
-    """The printable stand-in of each byte in byte-level BPE (GPT-2's table), inverted: char -> byte.
+    """The printable stand-in of each byte in byte-level BPE (GPT-2's table),
+    inverted: char -> byte.
 
     Printable bytes stand for themselves; the other 68 (controls, space, ...) are shifted to
     code points 256 and up, which is why a space shows up as "Ġ" (256 + 32) in a piece.
@@ -175,11 +181,12 @@ def piece_bytes(piece: str, alphabet: dict[str, int] | None = None) -> bytes:
     try:
         return bytes(alphabet[c] for c in piece)
     except KeyError as e:
-        raise ValueError(f"piece {piece!r} is not a byte-level BPE piece (character {e} has no byte); "
-                         "tokenization_table needs a byte-level tokenizer") from None
+        raise ValueError(f"piece {piece!r} is not a byte-level BPE piece (character {e} has no "
+                         "byte); tokenization_table needs a byte-level tokenizer") from None
 
 
-def tokenization_table(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False) -> list[dict]:
+def tokenization_table(tokenizer: Tokenizer, text: str,
+                       add_special_tokens: bool = False) -> list[dict]:
     """One row per token of `text`: {id, piece, bytes, hex, chars, whole}.
 
     `bytes` is the UTF-8 the token covers (special tokens such as BOS cover none); `chars` is the
@@ -193,14 +200,17 @@ def tokenization_table(tokenizer: Tokenizer, text: str, add_special_tokens: bool
     special = {i for i, t in tokenizer.tk.get_added_tokens_decoder().items() if t.special}
     alphabet = _byte_level_alphabet()
     pieces = tokenizer.token_strings(ids)
-    covered = [b"" if i in special else piece_bytes(p, alphabet) for i, p in zip(ids, pieces, strict=True)]
+    covered = [b"" if i in special else piece_bytes(p, alphabet)
+               for i, p in zip(ids, pieces, strict=True)]
     stream = b"".join(covered)
     starts = _char_starts(stream)
     rows, offset = [], 0
     for token_id, piece, b in zip(ids, pieces, covered, strict=True):
         lo, hi = offset, offset + len(b)
-        first = max((s for s in starts if s <= lo), default=0)  # start of the character holding byte lo
-        last = min((s for s in starts if s >= hi), default=len(stream))  # end of the one holding byte hi-1
+        # start of the character holding byte lo
+        first = max((s for s in starts if s <= lo), default=0)
+        # end of the one holding byte hi-1
+        last = min((s for s in starts if s >= hi), default=len(stream))
         rows.append({"id": token_id, "piece": piece, "bytes": b, "hex": b.hex(" "),
                      "chars": stream[first:last].decode("utf-8", errors="replace") if b else "",
                      "whole": bool(b) and lo in starts and hi in starts})
@@ -209,7 +219,8 @@ def tokenization_table(tokenizer: Tokenizer, text: str, add_special_tokens: bool
 
 
 def _char_starts(data: bytes) -> set[int]:
-    """Byte offsets where a UTF-8 character starts (a continuation byte is 0b10xxxxxx), plus the end."""
+    """Byte offsets where a UTF-8 character starts
+    (a continuation byte is 0b10xxxxxx), plus the end."""
     CONTINUATION_MASK, CONTINUATION = 0b1100_0000, 0b1000_0000
     return {i for i, b in enumerate(data) if b & CONTINUATION_MASK != CONTINUATION} | {len(data)}
 

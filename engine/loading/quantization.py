@@ -21,11 +21,12 @@ bytes (not of tinylab's, whose 1024 x 256 embedding is a third of it) and the mo
     w8a8               int8 symmetric               int8, per token    per channel x per token
 
 Round to nearest (RTN) rounds every weight on its own. GPTQ (Frantar et al., "GPTQ: Accurate
-Post-Training Quantization for Generative Pre-trained Transformers", ICLR 2023) rounds the columns
-one by one and pushes each column's rounding error onto the columns not yet rounded, weighted by
-how the layer's real inputs correlate (the Hessian H = 2 X^T X of the layer's squared output error).
-SmoothQuant (Xiao et al., ICML 2023) divides each input channel j of x by s_j and multiplies W's
-column j by it, s_j = max|x_j|^alpha / max|W_j|^(1 - alpha): outlier channels of x shrink, W absorbs them.
+Post-Training Quantization for Generative Pre-trained Transformers", ICLR 2023) rounds the
+columns one by one and pushes each column's rounding error onto the columns not yet rounded,
+weighted by how the layer's real inputs correlate (the Hessian H = 2 X^T X of the layer's
+squared output error). SmoothQuant (Xiao et al., ICML 2023) divides each input channel j of x
+by s_j and multiplies W's column j by it, s_j = max|x_j|^alpha / max|W_j|^(1 - alpha):
+outlier channels of x shrink, W absorbs them.
 """
 
 from __future__ import annotations
@@ -37,9 +38,22 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kernels.quant_matmul import BACKENDS, QuantizedWeight, prepare, quant_matmul, quantize, w8a8_matmul_ref
+from kernels.quant_matmul import (
+    BACKENDS,
+    QuantizedWeight,
+    prepare,
+    quant_matmul,
+    quantize,
+    w8a8_matmul_ref,
+)
 from kernels.quant_matmul.cpu_native import native_linear
-from kernels.quant_matmul.reference import INT4_LEVELS, INT8_MAX, TINY_SCALE, int4_scale_and_zero, pack_int4
+from kernels.quant_matmul.reference import (
+    INT4_LEVELS,
+    INT8_MAX,
+    TINY_SCALE,
+    int4_scale_and_zero,
+    pack_int4,
+)
 
 GPTQ_DAMP = 0.01  # GPTQ's "percdamp": add 1% of H's mean diagonal, so H stays invertible
 GPTQ_BLOCK = 128  # columns updated together (the paper's lazy batch); results do not depend on it
@@ -75,7 +89,8 @@ SCHEMES = {s.name: s for s in (
 
 def get_scheme(name: str) -> QuantScheme:
     if name not in SCHEMES:
-        raise ValueError(f"scheme: {name!r} is not a quantization scheme; use one of {list(SCHEMES)}")
+        raise ValueError(f"scheme: {name!r} is not a quantization scheme; "
+                         f"use one of {list(SCHEMES)}")
     return SCHEMES[name]
 
 
@@ -83,12 +98,14 @@ def get_scheme(name: str) -> QuantScheme:
 
 
 class QuantLinear(nn.Module):
-    """A drop-in nn.Linear whose weight is a ``QuantizedWeight`` (buffers, so ``.to(device)`` works).
+    """A drop-in nn.Linear whose weight is a ``QuantizedWeight``
+    (buffers, so ``.to(device)`` works).
 
     forward(x [..., K]) -> [..., N]. ``backend`` picks the kernel (see kernels/quant_matmul):
     "torch" (the readable oracle), "packed" (torch's CPU ops, bf16 inside), "native" (our C kernel,
     x rounded to int8 per 32 inputs), "triton", "cuda".
-    ``act_quant`` makes it W8A8; ``smooth`` [K] divides x first (SmoothQuant; W was multiplied by it).
+    ``act_quant`` makes it W8A8;
+    ``smooth`` [K] divides x first (SmoothQuant; W was multiplied by it).
     With "packed", torch's own copy of an int4 weight sits beside ours (``quantized_weight_bytes``
     counts the format once).
     """
@@ -102,7 +119,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qw.scales)
         self.register_buffer("zeros", qw.zeros)
         self.register_buffer("smooth", smooth)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = (None if bias is None
+                     else nn.Parameter(bias.detach().clone(), requires_grad=False))
         self.act_quant = act_quant
         self.set_backend(backend)
 
@@ -112,8 +130,8 @@ class QuantLinear(nn.Module):
                                (self.out_features, self.in_features))
 
     def set_backend(self, backend: str) -> None:
-        """Switch kernels; "packed" builds torch's layout once here and "native" checks the weight once
-        (not on every call)."""
+        """Switch kernels; "packed" builds torch's layout once here and "native" checks the
+        weight once (not on every call)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
         self.backend = backend
@@ -125,7 +143,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.backend == "native" and self._prepared is not None and self.smooth is None:
-            return native_linear(x, self._prepared, self.bias)  # a decode step's hot path: no dispatch
+            # a decode step's hot path: no dispatch
+            return native_linear(x, self._prepared, self.bias)
         if self.smooth is not None:
             x = x / self.smooth.to(x.dtype)  # [..., K]
         if self.act_quant:
@@ -133,8 +152,9 @@ class QuantLinear(nn.Module):
         return quant_matmul(x, self.qw, self.bias, backend=self.backend, prepared=self._prepared)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, w8a8={self.act_quant}, backend={self.backend!r}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, w8a8={self.act_quant}, "
+                f"backend={self.backend!r}")
 
 
 # ---- which layers, and swapping them -------------------------------------------------------------
@@ -142,7 +162,8 @@ class QuantLinear(nn.Module):
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Every nn.Linear inside the decoder layers, by name ("layers.0.self_attn.q_proj", ...)."""
-    return {name: m for name, m in model.named_modules() if name.startswith("layers.") and isinstance(m, nn.Linear)}
+    return {name: m for name, m in model.named_modules()
+            if name.startswith("layers.") and isinstance(m, nn.Linear)}
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -168,7 +189,8 @@ def group_size_for(scheme: QuantScheme, in_features: int) -> int | None:
         return g
     while g > 1 and in_features % g:
         g //= 2
-    return g if in_features % g == 0 and g > 1 else scheme.group_size  # no fit: let quantize() explain
+    # no fit: let quantize() explain
+    return g if in_features % g == 0 and g > 1 else scheme.group_size
 
 
 def _warn_smaller_groups(model: nn.Module, scheme: QuantScheme) -> None:
@@ -176,19 +198,21 @@ def _warn_smaller_groups(model: nn.Module, scheme: QuantScheme) -> None:
                for n, m in quantizable_linears(model).items()
                if group_size_for(scheme, m.in_features) != scheme.group_size}
     if changed:
-        warnings.warn(f"scheme {scheme.name!r}: group size {scheme.group_size} does not divide every layer's "
-                      f"input width; using smaller groups for {len(changed)} layer(s), e.g. "
-                      f"{sorted(changed)[:3]}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"scheme {scheme.name!r}: group size {scheme.group_size} does not divide "
+                      f"every layer's input width; using smaller groups for {len(changed)} "
+                      f"layer(s), e.g. {sorted(changed)[:3]}", RuntimeWarning, stacklevel=3)
 
 
 def quantize_linear(name: str, linear: nn.Module, scheme: QuantScheme, backend: str = "torch",
                     smooth: Tensor | None = None) -> QuantLinear:
-    """Round-to-nearest ``QuantLinear`` for one layer (``smooth`` [K]: SmoothQuant factors, W8A8 only)."""
+    """Round-to-nearest ``QuantLinear`` for one layer
+    (``smooth`` [K]: SmoothQuant factors, W8A8 only)."""
     weight = _weight_of(name, linear).float()
     if smooth is not None:
         weight = weight * smooth[None, :]  # column j times s_j; forward divides x_j by s_j
     try:
-        qw = quantize(weight, scheme.bits, group_size_for(scheme, weight.shape[1]), per_tensor=scheme.per_tensor)
+        qw = quantize(weight, scheme.bits, group_size_for(scheme, weight.shape[1]),
+                      per_tensor=scheme.per_tensor)
     except ValueError as e:
         raise ValueError(f"{name} (scheme {scheme.name!r}): {e}") from None
     return QuantLinear(qw, linear.bias, backend, act_quant=scheme.activations, smooth=smooth)
@@ -219,16 +243,19 @@ def _check_options(model, s: QuantScheme, calibration, alpha, backend) -> None:
     if not quantizable_linears(model):
         already = any(isinstance(m, QuantLinear) for m in model.modules())
         raise ValueError("model: has no nn.Linear inside its decoder layers" +
-                         ("; it is already quantized: load a fresh model to try another scheme" if already else ""))
+                         ("; it is already quantized: load a fresh model to try another scheme"
+                          if already else ""))
     if alpha is not None:
         if not s.activations:
             raise ValueError(f"alpha: SmoothQuant smoothing applies to 'w8a8' only, not {s.name!r}")
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha: must be in [0, 1] (0.5 is SmoothQuant's default), got {alpha}")
+            raise ValueError("alpha: must be in [0, 1] (0.5 is SmoothQuant's default), "
+                             f"got {alpha}")
     needs_data = s.method == "gptq" or alpha is not None
     if needs_data and not calibration:
-        raise ValueError(f"calibration: scheme {s.name!r}{' with alpha' if alpha is not None else ''} needs a few "
-                         "batches of token ids [B, T] from text like what the model will see")
+        raise ValueError(f"calibration: scheme {s.name!r}"
+                         f"{' with alpha' if alpha is not None else ''} needs a few batches of "
+                         "token ids [B, T] from text like what the model will see")
 
 
 # ---- calibration: what the layers' inputs look like ---------------------------------------------
@@ -239,7 +266,8 @@ def calibration_batches(token_ids: Sequence[int], batch_size: int, seq_len: int)
     seq_len] batches, dropping the ragged end. A few batches of a few hundred tokens are enough."""
     per_batch = batch_size * seq_len
     if batch_size < 1 or seq_len < 1 or len(token_ids) < per_batch:
-        raise ValueError(f"token_ids: {len(token_ids)} ids cannot fill one [{batch_size}, {seq_len}] batch; "
+        raise ValueError(f"token_ids: {len(token_ids)} ids cannot fill one "
+                         f"[{batch_size}, {seq_len}] batch; "
                          "pass more text or smaller sizes (both >= 1)")
     ids = torch.tensor(list(token_ids[: len(token_ids) // per_batch * per_batch]), dtype=torch.long)
     return list(ids.view(-1, batch_size, seq_len))  # [num_batches, B, T] -> batches of [B, T]
@@ -254,9 +282,11 @@ def _run_batches(model: nn.Module, batches: Iterable[Tensor]) -> None:
             model(ids)
 
 
-def collect_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Tensor], reduce) -> dict[str, Tensor]:
-    """Run ``batches`` through ``model`` and fold every input x [tokens, K] of the named layers into
-    ``reduce(state_or_None, x) -> state`` (per layer). Hooks are removed afterwards, whatever happens."""
+def collect_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Tensor],
+                   reduce) -> dict[str, Tensor]:
+    """Run ``batches`` through ``model`` and fold every input x [tokens, K] of the named layers
+    into ``reduce(state_or_None, x) -> state`` (per layer).
+    Hooks are removed afterwards, whatever happens."""
     state: dict[str, Tensor] = {}
     modules = dict(model.named_modules())
 
@@ -276,13 +306,17 @@ def collect_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Ten
 
 
 def activation_channel_max(model: nn.Module, batches: Iterable[Tensor]) -> dict[str, Tensor]:
-    """max |x_j| over every calibration token, per input channel j of every decoder linear: [K] each."""
+    """max |x_j| over every calibration token, per input channel j of
+    every decoder linear: [K] each."""
     return collect_inputs(model, list(quantizable_linears(model)), batches,
-                          lambda m, x: x.abs().amax(0) if m is None else torch.maximum(m, x.abs().amax(0)))
+                          lambda m, x: (x.abs().amax(0) if m is None
+                                        else torch.maximum(m, x.abs().amax(0))))
 
 
-def smoothing_factors(model: nn.Module, batches: Sequence[Tensor], alpha: float) -> dict[str, Tensor]:
-    """SmoothQuant's s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) for every decoder linear: [K] each."""
+def smoothing_factors(model: nn.Module, batches: Sequence[Tensor],
+                      alpha: float) -> dict[str, Tensor]:
+    """SmoothQuant's s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) for
+    every decoder linear: [K] each."""
     act_max = activation_channel_max(model, batches)
     factors = {}
     for name, linear in quantizable_linears(model).items():
@@ -295,7 +329,8 @@ def smoothing_factors(model: nn.Module, batches: Sequence[Tensor], alpha: float)
 # ---- GPTQ ----------------------------------------------------------------------------------------
 
 
-def input_hessians(model: nn.Module, names: Sequence[str], batches: Sequence[Tensor]) -> dict[str, Tensor]:
+def input_hessians(model: nn.Module, names: Sequence[str],
+                   batches: Sequence[Tensor]) -> dict[str, Tensor]:
     """H = 2/n * X^T X [K, K] for each named layer, over all n calibration tokens."""
     def reduce(acc, x):
         h, n = acc if acc is not None else (torch.zeros(x.shape[1], x.shape[1]), 0)
@@ -306,7 +341,8 @@ def input_hessians(model: nn.Module, names: Sequence[str], batches: Sequence[Ten
 
 
 def _inverse_hessian_factor(hessian: Tensor, weight: Tensor) -> Tensor:
-    """Upper Cholesky factor of H^-1 (damped; dead inputs made harmless): what GPTQ's updates use."""
+    """Upper Cholesky factor of H^-1 (damped; dead inputs made harmless):
+    what GPTQ's updates use."""
     h = hessian.clone()
     dead = h.diagonal() == 0  # an input that was always 0: its column cannot matter
     h[dead, dead] = 1.0
@@ -327,8 +363,10 @@ def _round(col: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
     return (col / scale + zero).round().clamp(lo, hi)
 
 
-def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4, group_size: int | None = 128) -> QuantizedWeight:
-    """GPTQ for one [N, K] weight given its inputs' Hessian [K, K] (Frantar et al. 2023, Algorithm 1).
+def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4,
+                  group_size: int | None = 128) -> QuantizedWeight:
+    """GPTQ for one [N, K] weight given its inputs' Hessian [K, K]
+    (Frantar et al. 2023, Algorithm 1).
 
     Column by column: round column i, then spread its error e_i = (w_i - q_i) / [H^-1]_ii over the
     columns to its right, w_j -= e_i * [H^-1]_ij, so they compensate for it. A group's (scale, zero)
@@ -338,7 +376,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4, group_size: in
     g = k if group_size is None else group_size
     w = weight.detach().float().clone()
     hinv = _inverse_hessian_factor(hessian.float(), w)
-    block = g if (g <= GPTQ_BLOCK or g % GPTQ_BLOCK) else GPTQ_BLOCK  # a group never straddles blocks
+    # a group never straddles blocks
+    block = g if (g <= GPTQ_BLOCK or g % GPTQ_BLOCK) else GPTQ_BLOCK
     q = torch.zeros(n, k)
     scales, zeros = torch.zeros(n, k // g), torch.zeros(n, k // g)
     for i1 in range(0, k, block):
@@ -360,7 +399,8 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, bits: int = 4, group_size: in
     return QuantizedWeight(4, pack_int4(q), scales, zeros, g, (n, k))
 
 
-def _gptq_model(model: nn.Module, s: QuantScheme, batches: Sequence[Tensor], backend: str) -> nn.Module:
+def _gptq_model(model: nn.Module, s: QuantScheme, batches: Sequence[Tensor],
+                backend: str) -> nn.Module:
     """Layer by layer: layer i's Hessians are measured with layers < i already quantized, so each
     layer also compensates what the earlier ones got wrong."""
     linears = quantizable_linears(model)
@@ -369,7 +409,8 @@ def _gptq_model(model: nn.Module, s: QuantScheme, batches: Sequence[Tensor], bac
         hessians = input_hessians(model, names, batches)
         for name in names:
             lin = linears[name]
-            qw = gptq_quantize(_weight_of(name, lin), hessians[name], s.bits, group_size_for(s, lin.in_features))
+            qw = gptq_quantize(_weight_of(name, lin), hessians[name], s.bits,
+                               group_size_for(s, lin.in_features))
             _replace(model, name, QuantLinear(qw, lin.bias, backend))
     return model
 
@@ -378,11 +419,11 @@ def _gptq_model(model: nn.Module, s: QuantScheme, batches: Sequence[Tensor], bac
 
 
 def weight_bytes_breakdown(model: nn.Module) -> dict[str, int]:
-    """Bytes of the model's weights by kind: quantized decoder linears (integers + scales + zero points),
-    a quantized LM head (``quantize_lm_head``), float linears, embedding (counted once when the LM head is
-    tied to it), norms and the rest."""
-    out = {"quantized linears": 0, "quantized lm_head": 0, "float linears": 0, "embedding and lm_head": 0,
-           "norms and other": 0}
+    """Bytes of the model's weights by kind: quantized decoder linears (integers + scales +
+    zero points), a quantized LM head (``quantize_lm_head``), float linears, embedding
+    (counted once when the LM head is tied to it), norms and the rest."""
+    out = {"quantized linears": 0, "quantized lm_head": 0, "float linears": 0,
+           "embedding and lm_head": 0, "norms and other": 0}
     seen: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
@@ -391,8 +432,9 @@ def weight_bytes_breakdown(model: nn.Module) -> dict[str, int]:
             tensors += list(module.parameters(recurse=False))
         else:
             tensors = list(module.parameters(recurse=False))
-            kind = ("float linears" if isinstance(module, nn.Linear) and name.startswith("layers.") else
-                    "embedding and lm_head" if isinstance(module, (nn.Embedding, nn.Linear)) else "norms and other")
+            kind = ("float linears" if isinstance(module, nn.Linear) and name.startswith("layers.")
+                    else "embedding and lm_head" if isinstance(module, (nn.Embedding, nn.Linear))
+                    else "norms and other")
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -405,18 +447,20 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     return sum(weight_bytes_breakdown(model).values())
 
 
-def quantize_lm_head(model: nn.Module, backend: str = "torch", qw: QuantizedWeight | None = None) -> nn.Module:
-    """Give ``model`` an int8 LM head (groups of ``HEAD_GROUP``, or ``qw``, e.g. a GGUF file's Q8_0 head), in
-    place; returns the model. The embedding stays float: a token's lookup reads one row of it, while the head
-    reads ALL of it for every decoded token (SmolLM2: 49,152 x 576, 108 MiB in fp32, the largest matrix).
-    A tied head is untied: the int8 copy is extra bytes on disk and in memory, but a quarter of the bytes
-    each decode step reads."""
+def quantize_lm_head(model: nn.Module, backend: str = "torch",
+                     qw: QuantizedWeight | None = None) -> nn.Module:
+    """Give ``model`` an int8 LM head (groups of ``HEAD_GROUP``, or ``qw``, e.g. a GGUF file's
+    Q8_0 head), in place; returns the model. The embedding stays float: a token's lookup reads
+    one row of it, while the head reads ALL of it for every decoded token (SmolLM2: 49,152 x 576,
+    108 MiB in fp32, the largest matrix). A tied head is untied: the int8 copy is extra bytes on
+    disk and in memory, but a quarter of the bytes each decode step reads."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantLinear):
         raise ValueError("model: its LM head is already quantized")
     weight = _weight_of("lm_head", head)
     if qw is None:
-        qw = quantize(weight.float(), 8, group_size_for(QuantScheme("head", 8, HEAD_GROUP), weight.shape[1]))
+        qw = quantize(weight.float(), 8,
+                      group_size_for(QuantScheme("head", 8, HEAD_GROUP), weight.shape[1]))
     elif qw.shape != tuple(weight.shape):
         raise ValueError(f"qw: the head is {list(weight.shape)}, got a {list(qw.shape)} weight")
     model.lm_head = QuantLinear(qw, head.bias, backend)
@@ -430,13 +474,16 @@ def set_backend(model: nn.Module, backend: str) -> None:
             module.set_backend(backend)
 
 
-def use_quantized_weights(model: nn.Module, weights: dict[str, QuantizedWeight], backend: str = "torch") -> nn.Module:
-    """Swap the named decoder linears for QuantLinears holding already-quantized weights (e.g. a GGUF
-    file's blocks: ``engine.loading.gguf.quantized_linear_weights``), in place; returns the model."""
+def use_quantized_weights(model: nn.Module, weights: dict[str, QuantizedWeight],
+                          backend: str = "torch") -> nn.Module:
+    """Swap the named decoder linears for QuantLinears holding already-quantized weights
+    (e.g. a GGUF file's blocks: ``engine.loading.gguf.quantized_linear_weights``),
+    in place; returns the model."""
     linears = quantizable_linears(model)
     for name, qw in weights.items():
         if name not in linears:
-            raise ValueError(f"weights: {name!r} is not a float linear of this model's decoder layers")
+            raise ValueError(f"weights: {name!r} is not a float linear "
+                             "of this model's decoder layers")
         if qw.shape != tuple(linears[name].weight.shape):
             raise ValueError(f"weights: {name} is {list(qw.shape)}, the model's layer is "
                              f"{list(linears[name].weight.shape)}")

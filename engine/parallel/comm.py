@@ -1,20 +1,22 @@
 """How the ranks talk: a `torch.distributed` process group, and a ledger of every byte it moves.
 
-We use the distributed layer the field uses, never a home-made one: a gloo process group on CPU (NCCL
-would take its place on GPUs), so the same calls run between processes on one machine or across
-nodes. Each rank holds a `Comm`: its rank, the world size, the group, and `CommStats`, which counts the
-bytes and the seconds of every collective, so chapter 08 can put a measured number next to the formula:
+We use the distributed layer the field uses, never a home-made one: a gloo process group on CPU
+(NCCL would take its place on GPUs), so the same calls run between processes on one machine or
+across nodes. Each rank holds a `Comm`: its rank, the world size, the group, and `CommStats`,
+which counts the bytes and the seconds of every collective, so chapter 08 can put a measured
+number next to the formula:
 
-    all_reduce     every rank ends with the SUM of everyone's tensor        (tensor parallel, per layer)
-    all_gather     every rank ends with everyone's tensors side by side      (the vocab-split logits)
-    send / recv    one rank hands a tensor to one other                      (pipeline stages)
-    broadcast_obj  rank 0's Python object, pickled, to every rank            (each step's plan)
+    all_reduce     every rank ends with the SUM of everyone's tensor     (per tensor-parallel layer)
+    all_gather     every rank ends with everyone's tensors side by side  (the vocab-split logits)
+    send / recv    one rank hands a tensor to one other                  (pipeline stages)
+    broadcast_obj  rank 0's Python object, pickled, to every rank        (each step's plan)
 
 The group is an object we pass around, not torch's global default group: a notebook can start an
 engine with two ranks, shut it down and start another, and nothing else in the process changes.
 
-Bytes are counted as the tensor's size at each call (what this rank hands to the collective); a ring
-all-reduce actually puts 2 (W - 1) / W times that on each rank's link, see `ring_allreduce_link_bytes`.
+Bytes are counted as the tensor's size at each call (what this rank hands to the
+collective); a ring all-reduce actually puts 2 (W - 1) / W times that on each rank's link,
+see `ring_allreduce_link_bytes`.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-STARTUP_TIMEOUT_S = 120.0  # how long ranks may take to start and meet (spawning a Python with torch takes seconds)
-TAG = 0  # gloo matches point-to-point messages by (peer, tag); our messages arrive in order on one tag
+# how long ranks may take to start and meet (spawning a Python with torch takes seconds)
+STARTUP_TIMEOUT_S = 120.0
+# gloo matches point-to-point messages by (peer, tag); our messages arrive in order on one tag
+TAG = 0
 
 
 @dataclass
 class CommStats:
-    """Bytes and seconds per kind of collective, as this rank saw them (reset between experiments)."""
+    """Bytes and seconds per kind of collective, as this rank saw them
+    (reset between experiments)."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -57,13 +62,14 @@ class CommStats:
 
 
 def ring_allreduce_link_bytes(nbytes: int, world_size: int) -> float:
-    """Bytes each rank sends (and receives) in a ring all-reduce of an `nbytes` tensor: 2 (W-1)/W x nbytes
-    (a reduce-scatter then an all-gather, each moving W-1 chunks of nbytes/W)."""
+    """Bytes each rank sends (and receives) in a ring all-reduce of an `nbytes` tensor:
+    2 (W-1)/W x nbytes (a reduce-scatter then an all-gather, each moving W-1 chunks of nbytes/W)."""
     return 2 * (world_size - 1) / world_size * nbytes
 
 
 class Comm:
-    """One rank's handle on the group: the collectives the parallel layers need, each timed and counted."""
+    """One rank's handle on the group: the collectives the parallel layers need,
+    each timed and counted."""
 
     def __init__(self, group, rank: int, world_size: int):
         self.group, self.rank, self.world_size = group, rank, world_size
@@ -90,7 +96,8 @@ class Comm:
         self.stats.add("send", x.nbytes, time.perf_counter() - t0)
 
     def isend(self, x: Tensor, dst: int) -> tuple:
-        """Start sending `x` and return at once; `wait(handle)` before the step ends (x must stay alive)."""
+        """Start sending `x` and return at once; `wait(handle)` before the
+        step ends (x must stay alive)."""
         x = x.contiguous()
         self.stats.add("send", x.nbytes, 0.0)
         return self.group.send([x], dst, TAG), x
@@ -128,7 +135,8 @@ class Comm:
         if self.rank != src:
             payload = torch.empty(int(length), dtype=torch.uint8)
         self.group.broadcast(payload, src).wait()
-        self.stats.add("broadcast_object", payload.numel() + length.nbytes, time.perf_counter() - t0)
+        self.stats.add("broadcast_object", payload.numel() + length.nbytes,
+                       time.perf_counter() - t0)
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
 
@@ -139,12 +147,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def connect(rank: int, world_size: int, port: int, timeout_s: float, host: str = "127.0.0.1") -> Comm:
-    """Join a gloo group of `world_size` ranks that meet at host:port (rank 0 hosts the meeting point).
+def connect(rank: int, world_size: int, port: int, timeout_s: float,
+            host: str = "127.0.0.1") -> Comm:
+    """Join a gloo group of `world_size` ranks that meet at host:port
+    (rank 0 hosts the meeting point).
 
-    `timeout_s` bounds every collective: a rank that died makes the others fail with an error within that
-    time (usually at once: the peer's socket closes), never hang. The meeting itself may take up to
-    STARTUP_TIMEOUT_S (or `timeout_s` if longer)."""
+    `timeout_s` bounds every collective: a rank that died makes the others fail with
+    an error within that time (usually at once: the peer's socket closes), never hang.
+    The meeting itself may take up to STARTUP_TIMEOUT_S (or `timeout_s` if longer)."""
     store = dist.TCPStore(host, port, world_size, rank == 0, timeout=_startup_timeout(timeout_s))
     return Comm(dist.ProcessGroupGloo(dist.PrefixStore("servelab", store), rank, world_size,
                                       datetime.timedelta(seconds=timeout_s)), rank, world_size)
@@ -156,7 +166,8 @@ def _startup_timeout(timeout_s: float) -> datetime.timedelta:
 
 
 def connect_from_env(timeout_s: float) -> Comm:
-    """Join the group `torchrun` set up: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment.
+    """Join the group `torchrun` set up: RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT from the environment.
 
     Under torchrun the launcher's agent usually hosts the store (TORCHELASTIC_USE_AGENT_STORE=True);
     then every rank, rank 0 included, connects to it as a client."""
@@ -170,4 +181,5 @@ def connect_from_env(timeout_s: float) -> Comm:
 
 def launched_by_torchrun() -> bool:
     """True in a process that torchrun started with more than one rank."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ and "MASTER_PORT" in os.environ
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+            and "MASTER_PORT" in os.environ)

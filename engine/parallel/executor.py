@@ -1,23 +1,25 @@
 """Running one engine step on W ranks: rank 0 decides, every rank computes its share.
 
-The engine on rank 0 is the ordinary `LLMEngine`: it owns the scheduler and the block manager and samples
-the tokens. Only the forward is spread. At every step rank 0 broadcasts a `StepPlan` (the block moves the
-block manager decided, and the packed batch with its attention metadata), then every rank, rank 0
-included, does the same two things on ITS share:
+The engine on rank 0 is the ordinary `LLMEngine`: it owns the scheduler and the block manager
+and samples the tokens. Only the forward is spread. At every step rank 0 broadcasts a `StepPlan`
+(the block moves the block manager decided, and the packed batch with its attention metadata),
+then every rank, rank 0 included, does the same two things on ITS share:
 
-    rank 0:  schedule ─► StepPlan ──broadcast──► apply moves ─► forward (shard 0) ─► logits ─► sample
-    rank 1:              StepPlan ◄─────────────  apply moves ─► forward (shard 1)  (all-reduces / sends
-                                                                                     tie the ranks together)
+    rank 0:  schedule ─► StepPlan ─broadcast─► apply moves ─► forward (shard 0) ─► logits ─► sample
+    rank 1:              StepPlan ◄───────────  apply moves ─► forward (shard 1)  (all-reduces /
+                                                                                   sends tie the
+                                                                                   ranks together)
 
-Every rank's KV pool has the same block ids (one block table for everyone, rank 0's); a rank stores in
-block b only ITS heads (tensor parallel) or ITS layers (pipeline parallel). So the block manager, the
-prefix cache and the scheduler need no change at all: they never see a tensor.
+Every rank's KV pool has the same block ids (one block table for everyone, rank 0's); a rank stores
+in block b only ITS heads (tensor parallel) or ITS layers (pipeline parallel). So the block manager,
+the prefix cache and the scheduler need no change at all: they never see a tensor.
 
-Ranks are processes. `ParallelExecutor.start` spawns ranks 1..W-1 with `torch.multiprocessing` (their
-model weights travel through shared memory, not pickled bytes) and joins them in a gloo group; under
-`torchrun` the launcher started them all, and ranks > 0 enter `serve_steps` when they build the engine.
-Every wait is bounded (`ParallelConfig.collective_timeout_s`): a rank that dies makes the step fail with
-an error naming it, and the engine refuses further steps instead of hanging.
+Ranks are processes. `ParallelExecutor.start` spawns ranks 1..W-1 with
+`torch.multiprocessing` (their model weights travel through shared memory, not pickled
+bytes) and joins them in a gloo group; under `torchrun` the launcher started them all,
+and ranks > 0 enter `serve_steps` when they build the engine. Every wait is bounded
+(`ParallelConfig.collective_timeout_s`): a rank that dies makes the step fail with an
+error naming it, and the engine refuses further steps instead of hanging.
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from engine.kv.block_manager import BlockMove
 from engine.config import EngineConfig
+from engine.kv.block_manager import BlockMove
 from engine.kv.kv_pool import PagedKVPool, PoolShape
 from engine.model import LlamaModel
 from engine.parallel.comm import Comm, CommStats, connect, connect_from_env, free_port
-from engine.parallel.pipeline import StageTimeline, make_stage, run_stage, split_into_micro_batches, stage_layers
+from engine.parallel.pipeline import (
+    StageTimeline,
+    make_stage,
+    run_stage,
+    split_into_micro_batches,
+    stage_layers,
+)
 from engine.parallel.tensor_parallel import check_tensor_parallel, shard_model
 from engine.runner import build_batch, run_model
 from engine.speed import accelerate
@@ -46,10 +54,12 @@ JOIN_TIMEOUT_S = 10.0  # how long shutdown waits for a worker to exit before it 
 
 @dataclass
 class StepPlan:
-    """One step, as rank 0 broadcasts it: the block moves, then the batch in micro-batches (one for TP)."""
+    """One step, as rank 0 broadcasts it: the block moves, then the batch in
+    micro-batches (one for TP)."""
 
     moves: list[BlockMove]
-    batches: list[tuple] = field(default_factory=list)  # [(input_ids [1, N], positions [1, N], meta), ...]
+    # [(input_ids [1, N], positions [1, N], meta), ...]
+    batches: list[tuple] = field(default_factory=list)
     stop: bool = False
 
 
@@ -66,8 +76,9 @@ class RankRunner:
         else:
             self.model = make_stage(model, comm.rank, self.pp)
             num_layers, num_kv_heads = len(self.model.layers), cfg.num_key_value_heads
-        self.kv_pool = PagedKVPool(num_layers, pool.num_blocks, pool.block_size, num_kv_heads, cfg.head_dim,
-                                   pool.dtype, "cpu", pool.num_swap_blocks, pool.num_host_blocks)
+        self.kv_pool = PagedKVPool(num_layers, pool.num_blocks, pool.block_size, num_kv_heads,
+                                   cfg.head_dim, pool.dtype, "cpu", pool.num_swap_blocks,
+                                   pool.num_host_blocks)
         # the shards stay as they are; speed="fast" brings its attention backend and argmax only
         self.acceleration = accelerate(self.model, self.kv_pool, config, sliding_window,
                                        torch.get_num_threads(), transform_model=False)
@@ -75,7 +86,8 @@ class RankRunner:
         self.timeline = StageTimeline()
 
     def run(self, plan: StepPlan):
-        """Apply the moves, run this rank's forward; returns (blocks moved per kind, logits [S, V] on rank 0)."""
+        """Apply the moves, run this rank's forward; returns (blocks moved per kind,
+        logits [S, V] on rank 0)."""
         moved = self.kv_pool.apply_moves(plan.moves)
         if not plan.batches:
             return moved, None
@@ -83,8 +95,8 @@ class RankRunner:
             (input_ids, positions, meta), = plan.batches
             return moved, run_model(self.model, self.attention, input_ids, positions, meta)
         self.timeline = StageTimeline()
-        return moved, run_stage(self.model, self.attention, plan.batches, self.comm, self.comm.rank, self.pp,
-                                self.timeline)
+        return moved, run_stage(self.model, self.attention, plan.batches, self.comm, self.comm.rank,
+                                self.pp, self.timeline)
 
 
 def serve_steps(runner: RankRunner, num_threads: int) -> None:
@@ -96,17 +108,19 @@ def serve_steps(runner: RankRunner, num_threads: int) -> None:
             return
         runner.run(plan)
         if runner.pp > 1 and runner.comm.rank > 0:
-            runner.comm.send_object(runner.timeline.spans, 0)  # so rank 0 can draw the whole pipeline
+            # so rank 0 can draw the whole pipeline
+            runner.comm.send_object(runner.timeline.spans, 0)
 
 
-def _worker_main(rank: int, world: int, port: int, model: LlamaModel, config: EngineConfig, pool: PoolShape,
-                 sliding_window: int | None, num_threads: int) -> None:
+def _worker_main(rank: int, world: int, port: int, model: LlamaModel, config: EngineConfig,
+                 pool: PoolShape, sliding_window: int | None, num_threads: int) -> None:
     """Entry point of a spawned rank > 0 (see ParallelExecutor.start)."""
     try:
         comm = connect(rank, world, port, config.parallel.collective_timeout_s)
         serve_steps(RankRunner(model, config, pool, comm, sliding_window), num_threads)
     except Exception:  # the traceback is all rank 0's user will have: print it, exit non-zero
-        print(f"[servelab rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(f"[servelab rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
         sys.exit(1)
 
 
@@ -123,21 +137,23 @@ class ParallelExecutor:
         self._finalizer = weakref.finalize(self, _stop_ranks, runner.comm, processes)
 
     @classmethod
-    def start(cls, model: LlamaModel, config: EngineConfig, pool: PoolShape, sliding_window: int | None,
-              num_threads: int) -> ParallelExecutor:
-        """Spawn ranks 1..W-1 as processes, join them in a gloo group and build rank 0's share (under torchrun,
-        `join_torchrun` takes this one's place)."""
+    def start(cls, model: LlamaModel, config: EngineConfig, pool: PoolShape,
+              sliding_window: int | None, num_threads: int) -> ParallelExecutor:
+        """Spawn ranks 1..W-1 as processes, join them in a gloo group and build rank 0's share
+        (under torchrun, `join_torchrun` takes this one's place)."""
         par, world = config.parallel, config.parallel.world_size
         if par.tensor_parallel_size > 1:
             check_tensor_parallel(model.config, par.tensor_parallel_size)
         else:
-            stage_layers(model.config.num_hidden_layers, par.pipeline_parallel_size, 0)  # raises if too many
+            # raises if too many
+            stage_layers(model.config.num_hidden_layers, par.pipeline_parallel_size, 0)
         if type(model.embed_tokens) is not torch.nn.Embedding:
             raise TypeError("this model is already split; give the engine the whole model")
         model.share_memory()  # the children map the same pages instead of receiving pickled copies
         port, ctx = free_port(), mp.get_context("spawn")
         processes = [ctx.Process(target=_worker_main, daemon=True, name=f"servelab-rank{rank}",
-                                 args=(rank, world, port, model, config, pool, sliding_window, num_threads))
+                                 args=(rank, world, port, model, config, pool, sliding_window,
+                                       num_threads))
                      for rank in range(1, world)]
         for p in processes:
             p.start()
@@ -145,28 +161,32 @@ class ParallelExecutor:
             comm = connect(0, world, port, par.collective_timeout_s)
         except Exception as exc:
             _stop_ranks(None, processes)
-            raise RuntimeError(f"the {world - 1} worker rank(s) did not join in time (see their errors above, "
-                               f"if any): {exc}") from exc
+            raise RuntimeError(f"the {world - 1} worker rank(s) did not join in time (see their "
+                               f"errors above, if any): {exc}") from exc
         return cls(RankRunner(model, config, pool, comm, sliding_window), processes, config)
 
     @classmethod
-    def join_torchrun(cls, model: LlamaModel, config: EngineConfig, pool: PoolShape, sliding_window: int | None,
-                      num_threads: int) -> ParallelExecutor:
-        """Under `torchrun --nproc-per-node W`: every process builds the engine; rank 0 gets the executor,
-        every other rank serves steps here and then EXITS the process (it never returns to the script)."""
+    def join_torchrun(cls, model: LlamaModel, config: EngineConfig, pool: PoolShape,
+                      sliding_window: int | None, num_threads: int) -> ParallelExecutor:
+        """Under `torchrun --nproc-per-node W`: every process builds the engine; rank 0
+        gets the executor, every other rank serves steps here and then EXITS the process
+        (it never returns to the script)."""
         comm = connect_from_env(config.parallel.collective_timeout_s)
         if comm.world_size != config.parallel.world_size:
-            raise ValueError(f"torchrun started {comm.world_size} processes but tensor_parallel_size x "
-                             f"pipeline_parallel_size = {config.parallel.world_size}; make them equal")
+            raise ValueError(f"torchrun started {comm.world_size} processes but "
+                             "tensor_parallel_size x pipeline_parallel_size = "
+                             f"{config.parallel.world_size}; make them equal")
         runner = RankRunner(model, config, pool, comm, sliding_window)
         if comm.rank > 0:
             serve_steps(runner, num_threads)
             raise SystemExit(0)
         return cls(runner, [], config)
 
-    def execute(self, moves: list[BlockMove], work: list, block_manager) -> tuple[dict, torch.Tensor | None]:
+    def execute(self, moves: list[BlockMove], work: list,
+                block_manager) -> tuple[dict, torch.Tensor | None]:
         self._check_ranks()
-        num_mb = 1 if self.runner.tp > 1 else self.config.parallel.num_micro_batches or self.runner.pp
+        num_mb = (1 if self.runner.tp > 1
+                  else self.config.parallel.num_micro_batches or self.runner.pp)
         groups = split_into_micro_batches(work, num_mb, weight=lambda w: w.end - w.start)
         plan = StepPlan(moves, [build_batch(g, block_manager, "cpu") for g in groups])
         try:
@@ -186,7 +206,8 @@ class ParallelExecutor:
 
     @property
     def timeline(self) -> StageTimeline:
-        """When each pipeline stage worked on each micro-batch in the last step (pipeline parallel only)."""
+        """When each pipeline stage worked on each micro-batch in the last step
+        (pipeline parallel only)."""
         return self.runner.timeline
 
     def shutdown(self) -> None:
@@ -223,5 +244,6 @@ def _stop_ranks(comm: Comm | None, processes: list) -> None:
 
 
 def default_worker_threads(num_threads: int, world: int) -> int:
-    """Threads per rank: the engine's setting, but never more than the cores shared out among the ranks."""
+    """Threads per rank: the engine's setting, but never more than the cores
+    shared out among the ranks."""
     return max(1, min(num_threads, available_cores() // world))

@@ -1,6 +1,8 @@
-"""Tensor parallelism: every layer's matmuls split over W ranks, one all-reduce after each half-layer.
+"""Tensor parallelism: every layer's matmuls split over W ranks,
+one all-reduce after each half-layer.
 
-A Llama layer is two blocks, attention and MLP, and each is "widen, work per head/per channel, narrow":
+A Llama layer is two blocks, attention and MLP, and each is
+"widen, work per head/per channel, narrow":
 
     attention:  x ─► q,k,v = x Wq, x Wk, x Wv ─► attention per head ─► o = heads Wo ─► x + o
     MLP:        x ─► g, u = x Wg, x Wu       ─► silu(g) * u per channel ─► d = h Wd ─► x + d
@@ -8,27 +10,31 @@ A Llama layer is two blocks, attention and MLP, and each is "widen, work per hea
 Megatron-LM's split (Shoeybi et al., 2019) cuts the WIDE dimension in both, so the middle needs no
 communication at all:
 
-    column-parallel  Wq, Wk, Wv, Wg, Wu   [E, out] cut by columns: rank r computes out/W of the outputs,
-                                          i.e. its H/W query heads, Hkv/W KV heads, F/W MLP channels
-    row-parallel     Wo, Wd               [in, E] cut by rows: rank r multiplies ITS part of the heads /
-                                          channels and gets a PARTIAL sum of the full [T, E] result
+    column-parallel  Wq, Wk, Wv, Wg, Wu   [E, out] cut by columns: rank r computes out/W of the
+                                          outputs, i.e. its H/W query heads, Hkv/W KV heads,
+                                          F/W MLP channels
+    row-parallel     Wo, Wd               [in, E] cut by rows: rank r multiplies ITS part of the
+                                          heads / channels and gets a PARTIAL sum of the full
+                                          [T, E] result
     all-reduce       the W partial sums add up to exactly x Wo (or h Wd), on every rank
 
               rank 0                          rank 1
     x [T,E] ─► heads 0..H/2-1 ─► partial o₀    x [T,E] ─► heads H/2..H-1 ─► partial o₁
                          └──────────── all-reduce: o = o₀ + o₁ ────────────┘
 
-So each layer costs two all-reduces of a [T, E] activation per rank, whatever the model's width inside.
-The KV cache splits with the KV heads: each rank stores K/V for its Hkv/W heads only (GQA keeps working,
-because query heads are cut in the same proportion, so a rank's query heads use exactly its KV heads).
+So each layer costs two all-reduces of a [T, E] activation per rank, whatever the model's width
+inside. The KV cache splits with the KV heads: each rank stores K/V for its Hkv/W heads only
+(GQA keeps working, because query heads are cut in the same proportion, so a rank's query heads
+use exactly its KV heads).
 
-The vocabulary is split too (vocab-parallel embedding and LM head): rank r holds rows [r Vp, (r+1) Vp) of
-the embedding matrix; a token's row lives on one rank, the others contribute zeros, and an all-reduce
-assembles [T, E]. The LM head gives each rank Vp logits per token, and an all-gather puts the V side by
-side. (Vp = ceil(V / W); the last rank's rows past V are zero padding, cut off after the gather.)
+The vocabulary is split too (vocab-parallel embedding and LM head): rank r holds rows
+[r Vp, (r+1) Vp) of the embedding matrix; a token's row lives on one rank, the others contribute
+zeros, and an all-reduce assembles [T, E]. The LM head gives each rank Vp logits per token, and an
+all-gather puts the V side by side. (Vp = ceil(V / W); the last rank's rows past V are zero
+padding, cut off after the gather.)
 
-Sums in a different order round differently: logits of a split model differ from the whole model's by
-float rounding (~1e-6 relative in fp32), so greedy tokens agree except at near-ties.
+Sums in a different order round differently: logits of a split model differ from the whole model's
+by float rounding (~1e-6 relative in fp32), so greedy tokens agree except at near-ties.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from torch import Tensor, nn
 from engine.config import ModelConfig
 from engine.model import LlamaModel
 from engine.parallel.comm import Comm
+from engine.surgery import replaced
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
@@ -51,20 +58,24 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
                         ("num_key_value_heads", cfg.num_key_value_heads),
                         ("intermediate_size", cfg.intermediate_size)):
         if value % tp:
-            ok = [d for d in range(1, value + 1) if value % d == 0 and cfg.num_attention_heads % d == 0
+            ok = [d for d in range(1, value + 1)
+                  if value % d == 0 and cfg.num_attention_heads % d == 0
                   and cfg.num_key_value_heads % d == 0 and cfg.intermediate_size % d == 0]
-            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value} of this model: "
-                             f"every rank must get whole heads and channels; sizes that work: {ok}")
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value} of this "
+                             "model: every rank must get whole heads and channels; sizes that "
+                             f"work: {ok}")
 
 
 def _rows(weight: Tensor, rank: int, world: int) -> Tensor:
-    """Rank `rank`'s share of `weight`'s first dimension (nn.Linear's OUTPUT features): equal parts."""
+    """Rank `rank`'s share of `weight`'s first dimension
+    (nn.Linear's OUTPUT features): equal parts."""
     n = weight.shape[0] // world
     return weight[rank * n:(rank + 1) * n].clone()
 
 
 class ColumnParallelLinear(nn.Linear):
-    """y_r = x W_r^T: this rank's out/W output features. No communication: the output stays split."""
+    """y_r = x W_r^T: this rank's out/W output features. No communication:
+    the output stays split."""
 
     @classmethod
     def from_linear(cls, full: nn.Linear, rank: int, world: int) -> ColumnParallelLinear:
@@ -78,13 +89,16 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_r W_r^T (+ bias once): this rank holds in/W input features; all-reduce."""
+    """y = sum over ranks of x_r W_r^T (+ bias once): this rank holds in/W
+    input features; all-reduce."""
 
     def __init__(self, full: nn.Linear, rank: int, world: int, comm: Comm):
         super().__init__()
         n = full.in_features // world
-        self.weight = nn.Parameter(full.weight[:, rank * n:(rank + 1) * n].clone(), requires_grad=False)  # [E, in/W]
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.clone(), requires_grad=False)
+        self.weight = nn.Parameter(full.weight[:, rank * n:(rank + 1) * n].clone(),
+                                   requires_grad=False)  # [E, in/W]
+        self.bias = (None if full.bias is None
+                     else nn.Parameter(full.bias.clone(), requires_grad=False))
         self.comm = comm
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., in/W] -> [..., E]
@@ -93,8 +107,8 @@ class RowParallelLinear(nn.Module):
 
 
 def vocab_rows(full: Tensor, rank: int, world: int) -> Tensor:
-    """Rank `rank`'s rows [r Vp, (r+1) Vp) of a [V, E] table, Vp = ceil(V / W); the last rank's rows past V
-    are zero padding, so every rank's share has the same shape (the all-gather needs it)."""
+    """Rank `rank`'s rows [r Vp, (r+1) Vp) of a [V, E] table, Vp = ceil(V / W); the last rank's rows
+    past V are zero padding, so every rank's share has the same shape (the all-gather needs it)."""
     V, E = full.shape
     per_rank = math.ceil(V / world)  # Vp
     rows = full[rank * per_rank:(rank + 1) * per_rank]
@@ -104,7 +118,8 @@ def vocab_rows(full: Tensor, rank: int, world: int) -> Tensor:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [lo, lo + Vp) of the embedding table on this rank; other ranks' tokens read as zeros; all-reduce."""
+    """Rows [lo, lo + Vp) of the embedding table on this rank;
+    other ranks' tokens read as zeros; all-reduce."""
 
     def __init__(self, full: Tensor, rank: int, world: int, comm: Comm):
         super().__init__()
@@ -133,30 +148,42 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
-def shard_model(model: LlamaModel, comm: Comm) -> LlamaModel:
-    """A copy of `model` holding only rank `comm.rank`'s share of every layer (the model is left as it is).
+# Which way each projection is split: by output columns (no communication) or by input rows (one
+# all-reduce of the partial sums after it): Megatron-LM's pairing, one all-reduce per half-layer.
+COLUMN_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_SPLIT = ("o_proj", "down_proj")
 
-    The copy is still a `LlamaModel` with the full `config`: its modules are replaced by the parallel
-    ones above, so `runner.run_model` runs it unchanged and the all-reduces happen inside."""
+
+def shard_model(model: LlamaModel, comm: Comm) -> LlamaModel:
+    """A copy of `model` holding only rank `comm.rank`'s share of every layer
+    (the model is left as it is).
+
+    The copy is still a `LlamaModel` with the full `config`: its modules are
+    replaced by the parallel ones above (engine/surgery.py does the walking), so
+    `runner.run_model` runs it unchanged and the all-reduces happen inside."""
     cfg, rank, world = model.config, comm.rank, comm.world_size
     check_tensor_parallel(cfg, world)
-    shard = shallow_copy(model)  # our own module tree over the same tensors; replaced layers hold 1/W copies
-    shard.layers = torch.nn.ModuleList(shallow_copy(layer) for layer in model.layers)
+
+    def split(name: str, module: nn.Module) -> nn.Module | None:
+        leaf = name.rpartition(".")[2]
+        if leaf in COLUMN_SPLIT or leaf in ROW_SPLIT:
+            linear = _linear(module, leaf)
+            if leaf in COLUMN_SPLIT:
+                return ColumnParallelLinear.from_linear(linear, rank, world)
+            return RowParallelLinear(linear, rank, world, comm)
+        if name == "embed_tokens":
+            return VocabParallelEmbedding(module.weight.detach(), rank, world, comm)
+        return None
+
+    shard = replaced(model, split)  # replaced layers hold 1/W copies; the rest is shared
     for layer in shard.layers:
-        layer.self_attn, layer.mlp = shallow_copy(layer.self_attn), shallow_copy(layer.mlp)
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear.from_linear(_linear(attn, name), rank, world))
-        attn.o_proj = RowParallelLinear(_linear(attn, "o_proj"), rank, world, comm)
-        attn.H, attn.Hkv = attn.H // world, attn.Hkv // world  # this rank's heads
-        mlp.gate_proj = ColumnParallelLinear.from_linear(_linear(mlp, "gate_proj"), rank, world)
-        mlp.up_proj = ColumnParallelLinear.from_linear(_linear(mlp, "up_proj"), rank, world)
-        mlp.down_proj = RowParallelLinear(_linear(mlp, "down_proj"), rank, world, comm)
-    shard.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight.detach(), rank, world, comm)
+        attn = layer.self_attn
+        attn.H, attn.Hkv = attn.H // world, attn.Hkv // world  # this rank's heads (attn is a copy)
     if cfg.tie_word_embeddings:
         head_weight = shard.embed_tokens.weight  # tied: the same [Vp, E] rows
     else:
-        head_weight = nn.Parameter(vocab_rows(model.lm_head.weight.detach(), rank, world), requires_grad=False)
+        head_weight = nn.Parameter(vocab_rows(model.lm_head.weight.detach(), rank, world),
+                                   requires_grad=False)
     shard.lm_head = VocabParallelLMHead(head_weight, cfg.vocab_size, comm)
     return shard.eval()
 
@@ -168,9 +195,9 @@ def shallow_copy(module: nn.Module) -> nn.Module:
     return twin
 
 
-def _linear(module: nn.Module, name: str) -> nn.Linear:
-    layer = getattr(module, name)
+def _linear(layer: nn.Module, name: str) -> nn.Linear:
     if type(layer) is not nn.Linear:
-        raise TypeError(f"tensor parallelism splits plain nn.Linear layers; {name} is a {type(layer).__name__} "
-                        "(a quantized model?): split the float model, or run it with tensor_parallel_size=1")
+        raise TypeError(f"tensor parallelism splits plain nn.Linear layers; {name} is a "
+                        f"{type(layer).__name__} (a quantized model?): split the float model, "
+                        "or run it with tensor_parallel_size=1")
     return layer

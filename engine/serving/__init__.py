@@ -1,4 +1,5 @@
-"""Chapters 09-10: the engine behind HTTP. Everything here is a FRONT on one `LLMEngine`, never a copy of it.
+"""Chapters 09-10: the engine behind HTTP. Everything here is a FRONT on one `LLMEngine`,
+never a copy of it.
 
     async_engine.py  one background loop stepping the engine; per-request output queues
     server.py        the OpenAI-compatible routes, SSE streaming, limits, cancellation

@@ -5,8 +5,8 @@ grows without bound, and so does everybody's time to first token, including the 
 within their share. We put gates in front of the engine, checked when a request arrives (on the
 engine thread, between two steps, so the counts cannot change under us):
 
-    new request ──► its tenant's token buckets     over the rate ──► 429 + Retry-After (that tenant only)
-                    (requests/s, tokens/s)
+    new request ──► its tenant's token buckets     over the rate ──► 429 + Retry-After
+                    (requests/s, tokens/s)                           (that tenant only)
                 ──► the server's load              over a cap    ──► 503 + Retry-After (everybody)
                     requests in flight >= max_num_queued_reqs
                     prompt tokens still to prefill + this prompt > max_num_queued_tokens
@@ -38,14 +38,16 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# When the server is full we cannot know when a seat frees up; one second is the smallest Retry-After
-# HTTP can say (whole seconds) and about the time a small model needs to finish a few requests.
+# When the server is full we cannot know when a seat frees up; one second is the smallest
+# Retry-After HTTP can say (whole seconds) and about the time a small model needs to
+# finish a few requests.
 DEFAULT_RETRY_AFTER_S = 1.0
-# Past this many tenants' buckets we forget the full ones (a full bucket is the same as a new one), so
-# a client inventing a new `user` per request cannot grow the server's memory.
+# Past this many tenants' buckets we forget the full ones (a full bucket is the same as a new one),
+# so a client inventing a new `user` per request cannot grow the server's memory.
 MAX_TRACKED_BUCKETS = 1024
 
-REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "tenant_request_rate", "tenant_token_rate")
+REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens",
+                     "tenant_request_rate", "tenant_token_rate")
 ABORT_REASONS = ("queue_timeout", "request_timeout", "client_disconnect", "cancelled")
 
 
@@ -60,12 +62,13 @@ def _positive_or_none(name: str, value) -> None:
              f"{name}={value!r} must be a positive number (or None for no limit)")
 
 
-# ---- the token bucket -------------------------------------------------------------------------------
+# ---- the token bucket ----------------------------------------------------------------------------
 
 
 @dataclass
 class TokenBucket:
-    """`burst` tokens at most, refilled at `rate_per_s`; it starts full. Time is whatever `now` says."""
+    """`burst` tokens at most, refilled at `rate_per_s`; it starts full.
+    Time is whatever `now` says."""
 
     rate_per_s: float
     burst: float
@@ -84,7 +87,8 @@ class TokenBucket:
         self.updated = now if self.updated is None else max(self.updated, now)
 
     def wait_s(self, amount: float, now: float) -> float:
-        """Seconds until `amount` tokens are there: 0 now, inf if more than the bucket can ever hold."""
+        """Seconds until `amount` tokens are there: 0 now,
+        inf if more than the bucket can ever hold."""
         self.refill(now)
         if amount > self.burst:
             return math.inf
@@ -99,12 +103,13 @@ class TokenBucket:
         return self.level >= self.burst
 
 
-# ---- limits, load, decisions ---------------------------------------------------------------------------
+# ---- limits, load, decisions ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RateLimit:
-    """A tenant's rates (None: unlimited). A burst defaults to one second's worth (at least one request)."""
+    """A tenant's rates (None: unlimited).
+    A burst defaults to one second's worth (at least one request)."""
 
     requests_per_s: float | None = None
     tokens_per_s: float | None = None  # tokens = prompt + n x max_tokens: what the request may cost
@@ -122,16 +127,18 @@ class RateLimit:
             burst = self.request_burst or max(1.0, math.ceil(self.requests_per_s))
             out["tenant_request_rate"] = TokenBucket(self.requests_per_s, burst)
         if self.tokens_per_s is not None:
-            out["tenant_token_rate"] = TokenBucket(self.tokens_per_s, self.token_burst or self.tokens_per_s)
+            out["tenant_token_rate"] = TokenBucket(self.tokens_per_s,
+                                                   self.token_burst or self.tokens_per_s)
         return out
 
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """Every knob of overload protection; None everywhere (the default) admits everything, as before.
+    """Every knob of overload protection; None everywhere (default) admits everything, as before.
 
-    `tenant_rate` applies to each tenant on its own (every tenant gets its own buckets); `tenant_rates`
-    overrides it for named tenants. The timeouts are the server's; a request may ask for shorter ones."""
+    `tenant_rate` applies to each tenant on its own (every tenant gets its own buckets);
+    `tenant_rates` overrides it for named tenants. The timeouts are the server's; a request may ask
+    for shorter ones."""
 
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
@@ -144,7 +151,8 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                       and value >= 1),
                      f"{name}={value!r} must be an integer >= 1 (or None for no cap)")
         for name in ("queue_timeout_s", "request_timeout_s", "retry_after_s"):
             _positive_or_none(name, getattr(self, name))
@@ -158,49 +166,56 @@ class AdmissionLimits:
 
 @dataclass(frozen=True)
 class Load:
-    """What the server holds right now: requests in flight (waiting or running) and prompt tokens still
-    to prefill (the work ahead of a new request's first token)."""
+    """What the server holds right now: requests in flight (waiting or running) and prompt tokens
+    still to prefill (the work ahead of a new request's first token)."""
 
     num_requests: int
     num_queued_tokens: int
 
 
 def prefill_tokens_left(sequences: Iterable) -> int:
-    """Prompt tokens not yet in the KV cache over `sequences` (engine `Request`s, waiting or running):
-    a decoding sequence has none left; one preempted by recompute has its prompt and outputs again."""
-    return sum(0 if s.is_decoding else s.num_uncomputed_tokens for s in sequences if not s.is_finished)
+    """Prompt tokens not yet in the KV cache over `sequences` (engine `Request`s, waiting or
+    running): a decoding sequence has none left; one preempted by recompute has its prompt and
+    outputs again."""
+    return sum(0 if s.is_decoding else s.num_uncomputed_tokens
+               for s in sequences if not s.is_finished)
 
 
 class Rejected(Exception):
-    """A request turned away at the door: HTTP `status` (429 or 503), a `reason` from REJECTION_REASONS,
-    and `retry_after_s` (None when waiting would not help: the request is larger than the bucket)."""
+    """A request turned away at the door: HTTP `status` (429 or 503), a `reason` from
+    REJECTION_REASONS, and `retry_after_s` (None when waiting would not help: the request is larger
+    than the bucket)."""
 
     def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None):
         super().__init__(message)
-        self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+        self.status, self.reason, self.message, self.retry_after_s = (status, reason, message,
+                                                                      retry_after_s)
 
 
-# ---- the gate ----------------------------------------------------------------------------------------------
+# ---- the gate ------------------------------------------------------------------------------------
 
 
 class Admission:
-    """Decides, for each arriving request, admit or reject (see the module docstring); keeps the tenants'
-    buckets. Not thread-safe: the AsyncLLMEngine calls it from its one engine thread."""
+    """Decides, for each arriving request, admit or reject (see the module docstring); keeps the
+    tenants' buckets. Not thread-safe: the AsyncLLMEngine calls it from its one engine thread."""
 
     def __init__(self, limits: AdmissionLimits | None = None):
         self.limits = limits or AdmissionLimits()
         self._buckets: dict[str | None, dict[str, TokenBucket]] = {}
 
-    def admit(self, tenant: str | None, num_prompt_tokens: int, num_tokens: int, load: Load, now: float) -> None:
-        """Admit a request of `num_prompt_tokens` that may cost `num_tokens` in all (prompt + n x max_tokens),
-        charging its tenant's buckets; or raise `Rejected` and change nothing. (`check`, then `charge`.)"""
+    def admit(self, tenant: str | None, num_prompt_tokens: int, num_tokens: int, load: Load,
+              now: float) -> None:
+        """Admit a request of `num_prompt_tokens` that may cost `num_tokens` in all
+        (prompt + n x max_tokens), charging its tenant's buckets; or raise `Rejected` and change
+        nothing. (`check`, then `charge`.)"""
         self.check(tenant, num_prompt_tokens, num_tokens, load, now)
         self.charge(tenant, num_tokens, now)
 
-    def check(self, tenant: str | None, num_prompt_tokens: int, num_tokens: int, load: Load, now: float) -> None:
-        """Raise `Rejected` if the request may not come in now; charge nothing. The AsyncLLMEngine checks,
-        lets the engine validate the request, and charges only a request the engine took: bad input
-        never uses up its tenant's rate."""
+    def check(self, tenant: str | None, num_prompt_tokens: int, num_tokens: int, load: Load,
+              now: float) -> None:
+        """Raise `Rejected` if the request may not come in now; charge nothing. The AsyncLLMEngine
+        checks, lets the engine validate the request, and charges only a request the engine took:
+        bad input never uses up its tenant's rate."""
         buckets = self._tenant_buckets(tenant, now)
         for reason, bucket in buckets.items():
             cost = _cost(reason, num_tokens)
@@ -216,23 +231,31 @@ class Admission:
     def _check_load(self, num_prompt_tokens: int, load: Load) -> None:
         lim, retry = self.limits, self.limits.retry_after_s
         if lim.max_num_queued_reqs is not None and load.num_requests >= lim.max_num_queued_reqs:
-            raise Rejected(503, "max_num_queued_reqs", f"the server is full: {load.num_requests} requests are "
-                           f"waiting or running (max_num_queued_reqs={lim.max_num_queued_reqs}); retry after "
-                           f"{retry:g} s", retry)
+            raise Rejected(503, "max_num_queued_reqs",
+                           f"the server is full: {load.num_requests} requests are "
+                           f"waiting or running (max_num_queued_reqs={lim.max_num_queued_reqs}); "
+                           f"retry after {retry:g} s", retry)
         queued, cap = load.num_queued_tokens, lim.max_num_queued_tokens
-        if cap is not None and queued > 0 and queued + num_prompt_tokens > cap:  # alone, a long prompt gets in
-            raise Rejected(503, "max_num_queued_tokens", f"the server is full: {queued} prompt tokens are waiting "
-                           f"to be prefilled and this request adds {num_prompt_tokens} (max_num_queued_tokens="
-                           f"{lim.max_num_queued_tokens}); retry after {retry:g} s", retry)
+        # alone, a long prompt gets in
+        if cap is not None and queued > 0 and queued + num_prompt_tokens > cap:
+            raise Rejected(503, "max_num_queued_tokens",
+                           f"the server is full: {queued} prompt tokens are waiting "
+                           f"to be prefilled and this request adds {num_prompt_tokens} "
+                           f"(max_num_queued_tokens={lim.max_num_queued_tokens}); "
+                           f"retry after {retry:g} s", retry)
 
-    def _rate_limited(self, tenant, reason: str, bucket: TokenBucket, cost: float, wait: float) -> Rejected:
+    def _rate_limited(self, tenant, reason: str, bucket: TokenBucket, cost: float,
+                      wait: float) -> Rejected:
         what = "requests" if reason == "tenant_request_rate" else "tokens"
         rate = f"{bucket.rate_per_s:g} {what}/s, burst {bucket.burst:g}"
         if math.isinf(wait):
-            return Rejected(429, reason, f"Request too large for tenant {tenant!r}: it may cost {cost:g} {what} "
-                            f"(prompt + n x max_tokens) but the tenant's bucket holds at most {bucket.burst:g} "
-                            f"({rate}); lower max_tokens or shorten the prompt", None)
-        return Rejected(429, reason, f"Rate limit reached for tenant {tenant!r} ({rate}); this request needs "
+            return Rejected(429, reason,
+                            f"Request too large for tenant {tenant!r}: it may cost {cost:g} {what} "
+                            "(prompt + n x max_tokens) but the tenant's bucket holds at most "
+                            f"{bucket.burst:g} ({rate}); lower max_tokens or shorten the prompt",
+                            None)
+        return Rejected(429, reason,
+                        f"Rate limit reached for tenant {tenant!r} ({rate}); this request needs "
                         f"{cost:g}, retry after {wait:.2f} s", wait)
 
     def _tenant_buckets(self, tenant: str | None, now: float) -> dict[str, TokenBucket]:
@@ -248,12 +271,13 @@ class Admission:
         return len(self._buckets)
 
     def _forget_full_buckets(self, now: float) -> None:
-        for tenant in [t for t, bs in self._buckets.items() if all(b.is_full(now) for b in bs.values())]:
+        for tenant in [t for t, bs in self._buckets.items()
+                       if all(b.is_full(now) for b in bs.values())]:
             del self._buckets[tenant]
 
     def deadlines(self, arrival: float, queue_timeout_s: float | None = None,
                   request_timeout_s: float | None = None) -> Deadlines:
-        """A request's deadlines: the server's timeouts, or the request's own where they are shorter."""
+        """A request's deadlines: the server's timeouts, or the request's own where shorter."""
         return Deadlines.after(arrival, _shorter(self.limits.queue_timeout_s, queue_timeout_s),
                                _shorter(self.limits.request_timeout_s, request_timeout_s))
 
@@ -290,7 +314,7 @@ class Deadlines:
         return None
 
 
-# ---- command-line flags (`python -m engine serve`) ---------------------------------------------------------
+# ---- command-line flags (`python -m engine serve`) -----------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -299,22 +323,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="503 past this many requests waiting or running")
     g.add_argument("--max-num-queued-tokens", type=int, default=None,
-                   help="503 past this many prompt tokens still to prefill (about target TTFT x prefill tok/s)")
-    g.add_argument("--queue-timeout-s", type=float, default=None, help="abort a request not started by then")
-    g.add_argument("--request-timeout-s", type=float, default=None, help="abort a request not finished by then")
-    g.add_argument("--tenant-requests-per-s", type=float, default=None, help="429 past this rate, per tenant")
+                   help="503 past this many prompt tokens still to prefill "
+                        "(about target TTFT x prefill tok/s)")
+    g.add_argument("--queue-timeout-s", type=float, default=None,
+                   help="abort a request not started by then")
+    g.add_argument("--request-timeout-s", type=float, default=None,
+                   help="abort a request not finished by then")
+    g.add_argument("--tenant-requests-per-s", type=float, default=None,
+                   help="429 past this rate, per tenant")
     g.add_argument("--tenant-tokens-per-s", type=float, default=None,
-                   help="429 past this many tokens (prompt + n x max_tokens) per second, per tenant")
+                   help="429 past this many tokens (prompt + n x max_tokens) per second, "
+                        "per tenant")
     g.add_argument("--api-key", action="append", default=None, metavar="TENANT=KEY",
-                   help="accept this bearer key as TENANT (repeat it); with any, other keys get 401 and the "
-                        "tenant comes from the key, else from OpenAI's `user` field")
+                   help="accept this bearer key as TENANT (repeat it); with any, other keys get "
+                        "401 and the tenant comes from the key, else from OpenAI's `user` field")
 
 
 def limits_from_args(args: argparse.Namespace) -> AdmissionLimits:
     return AdmissionLimits(max_num_queued_reqs=args.max_num_queued_reqs,
                            max_num_queued_tokens=args.max_num_queued_tokens,
-                           tenant_rate=RateLimit(args.tenant_requests_per_s, args.tenant_tokens_per_s),
-                           queue_timeout_s=args.queue_timeout_s, request_timeout_s=args.request_timeout_s)
+                           tenant_rate=RateLimit(args.tenant_requests_per_s,
+                                                 args.tenant_tokens_per_s),
+                           queue_timeout_s=args.queue_timeout_s,
+                           request_timeout_s=args.request_timeout_s)
 
 
 def api_keys_from_args(items: list[str] | None) -> dict[str, str] | None:
@@ -324,6 +355,7 @@ def api_keys_from_args(items: list[str] | None) -> dict[str, str] | None:
     keys = {}
     for item in items:
         tenant, sep, key = item.partition("=")
-        _require(bool(sep and tenant and key), f"--api-key {item!r} must look like TENANT=KEY, e.g. alice=sk-123")
+        _require(bool(sep and tenant and key),
+                 f"--api-key {item!r} must look like TENANT=KEY, e.g. alice=sk-123")
         keys[key] = tenant
     return keys

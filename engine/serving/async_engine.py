@@ -1,27 +1,29 @@
-"""`AsyncLLMEngine`: the step-through `LLMEngine` behind an asyncio front, for the HTTP server (chapter 09).
+"""`AsyncLLMEngine`: the step-through `LLMEngine` behind an asyncio front,
+for the HTTP server (chapter 09).
 
-An `LLMEngine` does nothing until somebody calls `step()`, and it is not safe to touch from two threads
-at once. A server has many clients arriving whenever they like, each waiting for its own tokens. We join
-the two worlds with ONE thread that owns the engine and a queue of commands into it:
+An `LLMEngine` does nothing until somebody calls `step()`, and it is not safe to touch from two
+threads at once. A server has many clients arriving whenever they like, each waiting for its own
+tokens. We join the two worlds with ONE thread that owns the engine and a queue of commands into it:
 
-    HTTP handlers (the event loop)                  the engine thread (the only one touching LLMEngine)
-    ──────────────────────────────                  ───────────────────────────────────────────────────
-    await add_request(prompt, params) ──command──►  drain commands: add_request / abort_request / call
-                                                    step()  ──► StepReport (one packed forward)
-    async for update in stream:       ◄──queue────  publish: each request's new tokens and text delta
-        send an SSE chunk                           (one asyncio.Queue per request, filled from here)
-    client went away: abort_soon(id)  ──command──►  abort before the next step: its blocks are free
+    HTTP handlers (the event loop)               the engine thread (the only one touching LLMEngine)
+    ──────────────────────────────               ───────────────────────────────────────────────────
+    await add_request(prompt, params) ─command►  drain commands: add_request / abort_request / call
+                                                 step()  ──► StepReport (one packed forward)
+    async for update in stream:       ◄─queue──  publish: each request's new tokens and text delta
+        send an SSE chunk                        (one asyncio.Queue per request, filled from here)
+    client went away: abort_soon(id)  ─command►  abort before the next step: its blocks are free
 
-While nothing is unfinished the engine thread sleeps on the command queue (no busy loop); while requests
-run, it drains whatever commands arrived and takes the next step. So an abort (a client that hung up)
-takes effect before the next step starts: its KV blocks are back in the pool within one step.
+While nothing is unfinished the engine thread sleeps on the command queue (no busy loop); while
+requests run, it drains whatever commands arrived and takes the next step. So an abort (a client
+that hung up) takes effect before the next step starts: its KV blocks are back in the pool
+within one step.
 
 Each step gives at most one new token per sequence, so one `RequestUpdate` per step is one token per
 sample: `SampleDelta.text` is the text that token made visible. Two things can hold text back: a
 multi-byte character split over several tokens (the detokenizer waits until it is whole), and stop
-strings (with `stop=["\\n\\n"]` we hold back the last len(stop) - 1 characters until we know they are
-not the start of a stop string, which would be cut from the answer). The text sent is therefore always
-a prefix of the final text, and the deltas add up to exactly `LLM.generate`'s text.
+strings (with `stop=["\\n\\n"]` we hold back the last len(stop) - 1 characters until we know they
+are not the start of a stop string, which would be cut from the answer). The text sent is therefore
+always a prefix of the final text, and the deltas add up to exactly `LLM.generate`'s text.
 
 The engine's `Trace` keeps growing while a server runs; we keep its last `max_trace_steps` steps.
 """
@@ -37,16 +39,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.serving.admission import Admission, Deadlines, Load, prefill_tokens_left
-from engine.llm_engine import LLMEngine
 from engine.companions.metrics import RequestTiming
+from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampling import SamplingParams
+from engine.serving.admission import Admission, Deadlines, Load, prefill_tokens_left
 from engine.trace import StepReport
 
 log = logging.getLogger(__name__)
 
-# About three minutes of steps at 100 steps/s, a few tens of MB of reports: enough to replay a benchmark run.
+# About three minutes of steps at 100 steps/s, a few tens of MB of reports:
+# enough to replay a benchmark run.
 TRACE_STEPS_KEPT = 20_000
 SHUTDOWN_WAIT_S = 10.0  # how long shutdown() waits for the engine thread to finish its current step
 
@@ -58,7 +61,8 @@ class SampleDelta:
     index: int
     text: str  # the newly visible text ("" when held back, or for an EOS token)
     token_ids: list[int]  # the new token ids (one per step; none when the sample was only finished)
-    finish_reason: str | None = None  # set once, on the sample's last delta: "stop", "length", "abort", "error"
+    # set once, on the sample's last delta: "stop", "length", "abort", "error"
+    finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
 
 
@@ -72,7 +76,8 @@ class RequestUpdate:
     prompt_tokens: int
     completion_tokens: int  # tokens generated so far, over all samples
     finished: bool  # every sample finished: this is the request's last update
-    abort_reason: str | None = None  # on the last update of an aborted request: "queue_timeout", ...
+    # on the last update of an aborted request: "queue_timeout", ...
+    abort_reason: str | None = None
 
 
 @dataclass(eq=False)
@@ -97,10 +102,11 @@ class _Tracked:
 
 
 class RequestStream:
-    """The updates of one request, in order: `async for update in stream`. It ends after the update with
-    `finished=True`. Closing it before that (`await stream.aclose()`) aborts the request."""
+    """The updates of one request, in order: `async for update in stream`. It ends after the update
+    with `finished=True`. Closing it before that (`await stream.aclose()`) aborts the request."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, updates: asyncio.Queue, prompt_tokens: int):
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, updates: asyncio.Queue,
+                 prompt_tokens: int):
         self.engine, self.request_id, self.prompt_tokens = engine, request_id, prompt_tokens
         self._updates = updates
         self.finished = False
@@ -122,25 +128,28 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """One thread steps `engine`; coroutines add requests and read their updates (see the module docstring).
+    """One thread steps `engine`; coroutines add requests and read their updates
+    (see the module docstring).
 
-    `on_step(report)` runs on the engine thread after every step, `on_finish(timing, index)` once per
-    finished sequence (sample `index` of its request) with its `RequestTiming` (token times = the ends of
-    the steps that sampled them, as in `engine.companions.metrics.requests_from_trace`), and `on_abort(request_id,
-    reason)` once per request aborted before it finished. /metrics hangs on these three.
+    `on_step(report)` runs on the engine thread after every step, `on_finish(timing, index)` once
+    per finished sequence (sample `index` of its request) with its `RequestTiming` (token times =
+    the ends of the steps that sampled them, as in `engine.companions.metrics.requests_from_trace`),
+    and `on_abort(request_id, reason)` once per request aborted before it finished.
+    /metrics hangs on these three.
 
-    Overload protection (chapter 10, engine/serving/admission.py): with an `admission`, each new request passes
-    `Admission.check` on the engine thread (with the load of that moment) or `add_request` raises its
-    `Rejected`; its tenant's buckets are charged once the engine took it. Each request's deadlines
-    (`queue_timeout_s`, `request_timeout_s`) are checked before every step, and one past its deadline is
-    aborted with that reason."""
+    Overload protection (chapter 10, engine/serving/admission.py): with an `admission`, each new
+    request passes `Admission.check` on the engine thread (with the load of that moment) or
+    `add_request` raises its `Rejected`; its tenant's buckets are charged once the engine took it.
+    Each request's deadlines (`queue_timeout_s`, `request_timeout_s`) are checked before every step,
+    and one past its deadline is aborted with that reason."""
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepReport], None] | None = None,
                  on_finish: Callable[[RequestTiming, int], None] | None = None,
                  max_trace_steps: int | None = TRACE_STEPS_KEPT, admission: Admission | None = None,
                  on_abort: Callable[[str, str], None] | None = None):
         if max_trace_steps is not None and max_trace_steps < 1:
-            raise ValueError(f"max_trace_steps={max_trace_steps!r} must be >= 1 (or None to keep every step)")
+            raise ValueError(f"max_trace_steps={max_trace_steps!r} must be >= 1 "
+                             "(or None to keep every step)")
         self.engine, self.on_step, self.on_finish = engine, on_step, on_finish
         self.admission, self.on_abort = admission or Admission(), on_abort
         self.max_trace_steps = max_trace_steps
@@ -150,7 +159,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
 
-    # ---- life cycle --------------------------------------------------------------------------------
+    # ---- life cycle ------------------------------------------------------------------------------
     def start(self) -> AsyncLLMEngine:
         if not self._thread.is_alive():
             self._thread.start()
@@ -166,12 +175,13 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    # ---- the API for coroutines (and, for `call`, any thread) -------------------------------------------
+    # ---- the API for coroutines (and, for `call`, any thread) ------------------------------------
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Run fn(engine) on the engine thread between two steps (a consistent view of queues, blocks and
-        trace); returns a Future with its result or exception. Usable from any thread."""
+        """Run fn(engine) on the engine thread between two steps (a consistent view of queues,
+        blocks and trace); returns a Future with its result or exception. Usable from any thread."""
         if not self.is_running:
-            raise RuntimeError("the AsyncLLMEngine is not running: call start() first (or it was shut down)")
+            raise RuntimeError("the AsyncLLMEngine is not running: call start() first "
+                               "(or it was shut down)")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return future
@@ -180,22 +190,26 @@ class AsyncLLMEngine:
         """`call(fn)`, awaited."""
         return await asyncio.wrap_future(self.call(fn))
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          queue_timeout_s: float | None = None, request_timeout_s: float | None = None,
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str | None = None, queue_timeout_s: float | None = None,
+                          request_timeout_s: float | None = None,
                           **options) -> RequestStream:
-        """Add a request (options as `LLMEngine.add_request`: priority, tenant, ...); returns its stream.
-        A bad request raises the engine's ValueError / TypeError here, and the engine keeps nothing; one the
-        admission turns away raises `engine.serving.admission.Rejected`. The timeouts may only shorten the
-        admission's own (`AdmissionLimits.queue_timeout_s`, `request_timeout_s`)."""
+        """Add a request (options as `LLMEngine.add_request`: priority, tenant, ...); returns its
+        stream. A bad request raises the engine's ValueError / TypeError here, and the engine keeps
+        nothing; one the admission turns away raises `engine.serving.admission.Rejected`.
+        The timeouts may only shorten the admission's own
+        (`AdmissionLimits.queue_timeout_s`, `request_timeout_s`)."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
         timeouts = (queue_timeout_s, request_timeout_s)
         rid, n_prompt = await self.run(
             lambda e: self._add(e, loop, updates, prompt, params, request_id, options, timeouts))
         return RequestStream(self, rid, updates, n_prompt)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None,
                        **options) -> AsyncIterator[RequestUpdate]:
-        """Yield the request's updates until it finishes; leaving early (a break, a cancelled task) aborts it."""
+        """Yield the request's updates until it finishes;
+        leaving early (a break, a cancelled task) aborts it."""
         stream = await self.add_request(prompt, params, request_id, **options)
         try:
             async for update in stream:
@@ -204,9 +218,10 @@ class AsyncLLMEngine:
             await stream.aclose()
 
     async def abort(self, request_id: str, reason: str = "cancelled") -> bool:
-        """Abort `request_id` now, on the engine thread between two steps, and say whether we did: False when
-        no request of that id is in flight (never added, or finished already). When this returns True, its
-        KV blocks are back in the pool and its stream has its last update (`abort_reason` = `reason`)."""
+        """Abort `request_id` now, on the engine thread between two steps, and say whether we did:
+        False when no request of that id is in flight (never added, or finished already). When this
+        returns True, its KV blocks are back in the pool and its stream has its last update
+        (`abort_reason` = `reason`)."""
         return await self.run(lambda e: self._abort(request_id, reason))
 
     def abort_soon(self, request_id: str, reason: str = "cancelled") -> None:
@@ -215,11 +230,12 @@ class AsyncLLMEngine:
             self._commands.put((lambda e: self._abort(request_id, reason), None))
 
     def load(self) -> Load:
-        """Requests in flight and prompt tokens still to prefill (engine thread: inside `call` / `run`)."""
+        """Requests in flight and prompt tokens still to prefill
+        (engine thread: inside `call` / `run`)."""
         s = self.engine.scheduler
         return Load(len(self._tracked), prefill_tokens_left(s.waiting + s.running))
 
-    # ---- the engine thread ----------------------------------------------------------------------------
+    # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
             self._drain(wait=not self.engine.has_unfinished_requests())
@@ -260,10 +276,13 @@ class AsyncLLMEngine:
     def _add(self, engine: LLMEngine, loop, updates, prompt, params, request_id, options,
              timeouts) -> tuple[str, int]:
         now, tenant, n_prompt = engine.clock(), options.get("tenant"), _prompt_len(engine, prompt)
-        cost = n_prompt + getattr(params, "n", 1) * getattr(params, "max_tokens", 0)  # bad params: the engine says
-        deadlines = self.admission.deadlines(now, *timeouts)  # bad timeouts: ValueError, nothing kept
+        # bad params: the engine says
+        cost = n_prompt + getattr(params, "n", 1) * getattr(params, "max_tokens", 0)
+        # bad timeouts: ValueError, nothing kept
+        deadlines = self.admission.deadlines(now, *timeouts)
         self.admission.check(tenant, n_prompt, cost, self.load(), now)  # or Rejected: nothing kept
-        rid = engine.add_request(prompt, params, request_id, **options)  # bad input: ValueError, nothing kept
+        # bad input: ValueError, nothing kept
+        rid = engine.add_request(prompt, params, request_id, **options)
         self.admission.charge(tenant, cost, now)
         head = engine.get_request(rid)
         samples = head.samples or [head]
@@ -273,7 +292,8 @@ class AsyncLLMEngine:
         return rid, len(head.prompt_token_ids)
 
     def _expire(self) -> None:
-        """Abort every request past one of its deadlines (engine/serving/admission.py's `Deadlines`)."""
+        """Abort every request past one of its deadlines
+        (engine/serving/admission.py's `Deadlines`)."""
         now = self.engine.clock()
         for rid, t in list(self._tracked.items()):
             started = any(s.first_scheduled_time is not None for s in t.samples)
@@ -287,12 +307,14 @@ class AsyncLLMEngine:
             return False
         aborted = any(not s.is_finished for s in t.samples)
         if aborted:
-            self.engine.abort_request(request_id)  # every unfinished sample: blocks back to the pool now
+            # every unfinished sample: blocks back to the pool now
+            self.engine.abort_request(request_id)
             t.abort_reason = reason
             self._notify(self.on_abort, request_id, reason)
         self._emit(request_id, self.engine.clock())
         if not self.engine.has_unfinished_requests():
-            self._step()  # an empty step, so the trace records the abort now, not at the next arrival
+            # an empty step, so the trace records the abort now, not at the next arrival
+            self._step()
         return aborted
 
     def _step(self) -> None:
@@ -327,7 +349,8 @@ class AsyncLLMEngine:
             if not new_ids and not finishing:
                 continue
             t.token_times[i] += [now] * len(new_ids)
-            end = len(seq.text) if seq.is_finished else max(t.sent_chars[i], len(seq.text) - t.holdback)
+            end = (len(seq.text) if seq.is_finished
+                   else max(t.sent_chars[i], len(seq.text) - t.holdback))
             text = seq.text[t.sent_chars[i]:end]
             t.sent_tokens[i] += len(new_ids)
             t.sent_chars[i] = end
@@ -335,25 +358,28 @@ class AsyncLLMEngine:
             reason = seq.finish_reason if seq.is_finished else None
             deltas.append(SampleDelta(seq.index, text, new_ids, reason, seq.error))
         finished = all(t.done)
-        update = RequestUpdate(rid, deltas, now, len(t.samples[0].prompt_token_ids), sum(t.sent_tokens), finished,
-                               t.abort_reason if finished else None)
+        update = RequestUpdate(rid, deltas, now, len(t.samples[0].prompt_token_ids),
+                               sum(t.sent_tokens), finished, t.abort_reason if finished else None)
         if finished:
             self._retire(rid)
         self._deliver(t, update)
 
     def _retire(self, rid: str) -> None:
-        """A finished request: report each sample's timing, then the engine forgets it (pop_request)."""
+        """A finished request: report each sample's timing,
+        then the engine forgets it (pop_request)."""
         t = self._tracked.pop(rid)
         for i, seq in enumerate(t.samples):
             self._owner.pop(seq.request_id, None)
-            timing = RequestTiming(seq.request_id, seq.arrival_time, t.token_times[i], seq.first_scheduled_time,
-                                   seq.finish_time, seq.finish_reason, len(seq.prompt_token_ids), seq.tenant,
-                                   seq.priority, seq.num_preemptions)
+            timing = RequestTiming(seq.request_id, seq.arrival_time, t.token_times[i],
+                                   seq.first_scheduled_time, seq.finish_time, seq.finish_reason,
+                                   len(seq.prompt_token_ids), seq.tenant, seq.priority,
+                                   seq.num_preemptions)
             self._notify(self.on_finish, timing, seq.index)
         self.engine.pop_request(rid)
 
     def _fail(self, rid: str, error: str) -> None:
-        """End a request that the engine could not serve: abort what is left, send an "error" update."""
+        """End a request that the engine could not serve:
+        abort what is left, send an "error" update."""
         t = self._tracked[rid]
         if any(not s.is_finished for s in t.samples):
             self.engine.abort_request(rid)
@@ -383,7 +409,8 @@ class AsyncLLMEngine:
 
 
 def _prompt_len(engine: LLMEngine, prompt) -> int:
-    """The prompt's length in tokens, for the admission (a malformed prompt is the engine's to refuse)."""
+    """The prompt's length in tokens, for the admission
+    (a malformed prompt is the engine's to refuse)."""
     if isinstance(prompt, str):
         return len(engine.tokenizer.encode(prompt)) if engine.tokenizer is not None else 0
     try:

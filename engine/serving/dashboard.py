@@ -6,14 +6,18 @@ queues, the running batch, TTFT/TPOT percentiles, request rates, preemptions and
 
 Data flow, one way:
 
-    engine thread: step() -> StepReport -> LiveStats.update(report) -> latest snapshot (a small dict)
-    HTTP:          GET /dashboard/events  -> server-sent events, the newest snapshot at most 10 times a
-                                             second (a slow projector laptop never backs up the engine)
-    browser:       static/dashboard.html  -> EventSource, draws the grid on a canvas, writes the numbers
+    engine thread: step() -> StepReport -> LiveStats.update(report) -> latest snapshot
+                                                                       (a small dict)
+    HTTP:          GET /dashboard/events  -> server-sent events, the newest snapshot at most
+                                             10 times a second (a slow projector laptop never
+                                             backs up the engine)
+    browser:       static/dashboard.html  -> EventSource, draws the grid on a canvas,
+                                             writes the numbers
 
-`attach_dashboard(app)` adds the two routes to a server made by `engine.serving.server.build_app` and chains
-`LiveStats` onto its engine's per-step hook. `python -m engine dashboard --replay TRACE.json` plays a
-saved `Trace` (e.g. one a benchmark or an incident wrote) through the same page, at any speed.
+`attach_dashboard(app)` adds the two routes to a server made by `engine.serving.server.build_app`
+and chains `LiveStats` onto its engine's per-step hook.
+`python -m engine dashboard --replay TRACE.json` plays a saved `Trace` (e.g. one a benchmark or an
+incident wrote) through the same page, at any speed.
 """
 
 from __future__ import annotations
@@ -42,21 +46,22 @@ LATENCIES_KEPT = 2000  # percentiles over the most recent finished requests
 class LiveStats:
     """Folds StepReports, one by one, into the numbers the page shows; `snapshot()` is JSON-ready.
 
-    `update` runs on the engine thread after every step (it is the engine's `on_step` hook), so it only
-    counts: a few dict and deque operations. `snapshot()` does the rest (the block grid, the percentiles)
-    when someone asks, at most 10 times a second per page, and keeps the result until the next step, so a
-    room full of browsers costs the engine nothing."""
+    `update` runs on the engine thread after every step (it is the engine's `on_step` hook), so it
+    only counts: a few dict and deque operations. `snapshot()` does the rest (the block grid, the
+    percentiles) when someone asks, at most 10 times a second per page, and keeps the result until
+    the next step, so a room full of browsers costs the engine nothing."""
 
     def __init__(self):
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}  # request id -> time of its first token
-        self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of its last token, tokens so far)
+        # request id -> (time of its last token, tokens so far)
+        self._last: dict[str, tuple[float, int]] = {}
         self.ttft_s: deque[float] = deque(maxlen=LATENCIES_KEPT)
         self.tpot_s: deque[float] = deque(maxlen=LATENCIES_KEPT)
         self._arrivals: deque[float] = deque()
         self._finishes: deque[float] = deque()
-        self.totals = {"finished": 0, "preempted": 0, "prefix_hit_tokens": 0, "prompt_tokens_looked_up": 0,
-                       "window_freed_blocks": 0, "bytes_moved": 0}
+        self.totals = {"finished": 0, "preempted": 0, "prefix_hit_tokens": 0,
+                       "prompt_tokens_looked_up": 0, "window_freed_blocks": 0, "bytes_moved": 0}
         self._report: StepReport | None = None
         self._cached: tuple[int, dict] = (0, {"step": -1})  # (version, snapshot)
         self.version = 0  # bumped by every update: the event stream sends only new snapshots
@@ -130,7 +135,8 @@ class LiveStats:
             "ttft_ms": _percentiles(self.ttft_s), "tpot_ms": _percentiles(self.tpot_s),
             "arrivals_per_s": len(self._arrivals) / RATE_WINDOW_S,
             "finished_per_s": len(self._finishes) / RATE_WINDOW_S,
-            "prefix_hit_pct": 100.0 * self.totals["prefix_hit_tokens"] / looked_up if looked_up else None,
+            "prefix_hit_pct": (100.0 * self.totals["prefix_hit_tokens"] / looked_up
+                               if looked_up else None),
             **self.totals,
         }
 
@@ -139,7 +145,8 @@ def _percentiles(values: Iterable[float]) -> dict:
     values = list(values)
     if not values:
         return {"p50": None, "p99": None, "n": 0}
-    return {"p50": 1e3 * nearest_rank(values, 50), "p99": 1e3 * nearest_rank(values, 99), "n": len(values)}
+    return {"p50": 1e3 * nearest_rank(values, 50), "p99": 1e3 * nearest_rank(values, 99),
+            "n": len(values)}
 
 
 def dashboard_router(stats: LiveStats) -> APIRouter:
@@ -179,7 +186,8 @@ def chain(*hooks: Callable | None) -> Callable:
 
 
 def attach_dashboard(app: FastAPI) -> LiveStats:
-    """Add /dashboard to a server made by `build_app`, fed by its engine's steps; returns the stats."""
+    """Add /dashboard to a server made by `build_app`, fed by its engine's steps;
+    returns the stats."""
     stats = LiveStats()
     front = app.state.front
     front.on_step = chain(front.on_step, stats.update)
@@ -187,8 +195,10 @@ def attach_dashboard(app: FastAPI) -> LiveStats:
     return stats
 
 
-def replay_app(trace: Trace, speed: float = 1.0, loop: bool = True) -> tuple[FastAPI, threading.Thread]:
-    """An app that serves the dashboard for a saved trace, played back at `speed` times real time."""
+def replay_app(trace: Trace, speed: float = 1.0,
+               loop: bool = True) -> tuple[FastAPI, threading.Thread]:
+    """An app that serves the dashboard for a saved trace,
+    played back at `speed` times real time."""
     if not speed > 0:
         raise ValueError(f"speed must be > 0 (1 = real time, 10 = ten times faster), got {speed!r}")
     if not trace.steps:

@@ -2,62 +2,68 @@
 
     python -m engine serve --model tinylab --port 8000
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-         -d '{"model": "tinylab", "prompt": "12+7=", "max_tokens": 8, "temperature": 0, "stream": true}'
+         -d '{"model": "tinylab", "prompt": "12+7=", "max_tokens": 8,
+              "temperature": 0, "stream": true}'
 
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's request and response shapes; with
-"stream": true, server-sent events), POST /v1/requests/{request_id}/cancel (below), GET /v1/models, /health
-and /metrics (Prometheus text in vLLM's names: engine/serving/prometheus.py).
+"stream": true, server-sent events), POST /v1/requests/{request_id}/cancel (below), GET /v1/models,
+/health and /metrics (Prometheus text in vLLM's names: engine/serving/prometheus.py).
 
 A request's way through the server, one direction only:
 
-    HTTP body ──► read (at most max_request_bytes, else 413) ──► JSON (else 400) ──► typed fields (else 400)
-      ──► model name (else 404) ──► tokenize, check the context and n (else 400) ──► SamplingParams
-      ──► AsyncLLMEngine.add_request (the engine's own checks, else 400) ──► one update per engine step
+    HTTP body ──► read (at most max_request_bytes, else 413) ──► JSON (else 400)
+      ──► typed fields (else 400) ──► model name (else 404)
+      ──► tokenize, check the context and n (else 400) ──► SamplingParams
+      ──► AsyncLLMEngine.add_request (the engine's own checks, else 400)
+      ──► one update per engine step
       ──► SSE chunks `data: {...}` ... `data: [DONE]`   (or one JSON body when "stream" is false)
 
-Every refusal happens before the engine is touched, or inside `LLMEngine.add_request`, which keeps nothing
-from a request it rejects: a bad request leaves no trace, and everybody else is served as before. Errors
-have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so clients raise their usual
-exceptions (`openai.BadRequestError`, `openai.NotFoundError`, ...).
+Every refusal happens before the engine is touched, or inside `LLMEngine.add_request`, which keeps
+nothing from a request it rejects: a bad request leaves no trace, and everybody else is served as
+before. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so clients
+raise their usual exceptions (`openai.BadRequestError`, `openai.NotFoundError`, ...).
 
-A client that hangs up (closes the stream, or gives up on a non-streamed request) aborts its request:
-its KV blocks are back in the pool before the engine's next step.
+A client that hangs up (closes the stream, or gives up on a non-streamed request) aborts its
+request: its KV blocks are back in the pool before the engine's next step.
 
-Cancelling by id (chapter 10). Every request has an id: the response's "id" (in every stream chunk), also
-sent as the `X-Request-Id` response header, which a stream's client has at once. A non-streamed answer (and
-its id) only arrives at the end, so a client may name its request itself: send `X-Request-Id: <id>` (1 to
-128 of the characters A-Z a-z 0-9 . _ ~ -, so the id goes into a URL as it is) and that is the request's id;
-an id still in flight gets 409. Then anyone holding the id (another connection, a gateway, a "stop" button)
-may call
+Cancelling by id (chapter 10). Every request has an id: the response's "id" (in every stream chunk),
+also sent as the `X-Request-Id` response header, which a stream's client has at once. A non-streamed
+answer (and its id) only arrives at the end, so a client may name its request itself: send
+`X-Request-Id: <id>` (1 to 128 of the characters A-Z a-z 0-9 . _ ~ -, so the id goes into a URL as
+it is) and that is the request's id; an id still in flight gets 409. Then anyone holding the id
+(another connection, a gateway, a "stop" button) may call
 
-    POST /v1/requests/{request_id}/cancel   ->  200 {"id": ..., "object": "request", "status": "cancelled"}
+    POST /v1/requests/{request_id}/cancel
+        ->  200 {"id": ..., "object": "request", "status": "cancelled"}
 
-We use OpenAI's verb for stopping work it started (POST /v1/responses/{id}/cancel, /v1/batches/{id}/cancel);
-vLLM has no such route (it aborts on disconnect only), SGLang has POST /abort_request with the id in the body.
-The request is aborted on the engine thread before the cancel returns, so its KV blocks are free before the
-next step. Its stream ends like any aborted one: a last chunk with finish_reason "abort" (then usage, if asked,
-and `data: [DONE]`), with no error event, because the stop was asked for; a non-streamed waiter gets 200 with
-the text so far and finish_reason "abort". It counts in `vllm:request_aborts_total{reason="cancelled"}`. An id
-that is unknown or finished already gets 404 ("request_not_found"). With API keys, ids live in a namespace per
-tenant (two tenants may both say "job-1"; the engine's id is "<tenant>/<id>"): a key can only reach its own
-tenant's requests, and another tenant's id is answered 404 exactly like an unknown one (not 403), so a key
-cannot probe which ids others use. Without keys there is no identity to check: the id is the permission (the
-server's own ids are random UUIDs; a client's own ids are as guessable as the client makes them).
+We use OpenAI's verb for stopping work it started (POST /v1/responses/{id}/cancel,
+/v1/batches/{id}/cancel); vLLM has no such route (it aborts on disconnect only), SGLang has
+POST /abort_request with the id in the body. The request is aborted on the engine thread before the
+cancel returns, so its KV blocks are free before the next step. Its stream ends like any aborted
+one: a last chunk with finish_reason "abort" (then usage, if asked, and `data: [DONE]`), with no
+error event, because the stop was asked for; a non-streamed waiter gets 200 with the text so far and
+finish_reason "abort". It counts in `vllm:request_aborts_total{reason="cancelled"}`. An id that is
+unknown or finished already gets 404 ("request_not_found"). With API keys, ids live in a namespace
+per tenant (two tenants may both say "job-1"; the engine's id is "<tenant>/<id>"): a key can only
+reach its own tenant's requests, and another tenant's id is answered 404 exactly like an unknown one
+(not 403), so a key cannot probe which ids others use. Without keys there is no identity to check:
+the id is the permission (the server's own ids are random UUIDs; a client's own ids are as guessable
+as the client makes them).
 
-Extras beyond OpenAI's fields, with vLLM's names: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, and return_token_ids (each choice then carries its "token_ids"). OpenAI's `user` becomes
-the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant metrics buckets), unless the
-server was given API keys (`api_keys`, key -> tenant): then the tenant is the bearer key's, and a request
-without a known key gets 401.
+Extras beyond OpenAI's fields, with vLLM's names: top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, and return_token_ids (each choice then carries its "token_ids").
+OpenAI's `user` becomes the engine's tenant (per-tenant quotas, prefix-cache scope, and per-tenant
+metrics buckets), unless the server was given API keys (`api_keys`, key -> tenant): then the tenant
+is the bearer key's, and a request without a known key gets 401.
 
 Overload protection (chapter 10; the policy is engine/serving/admission.py, `AdmissionLimits`): past
-`max_num_queued_reqs` requests in flight or `max_num_queued_tokens` prompt tokens still to prefill, a new
-request gets 503 with Retry-After at once; past its tenant's rate, 429 with Retry-After (that tenant only);
-a request not started within `queue_timeout_s` gets 503, one not finished within `request_timeout_s` 504
-(a stream gets an error event instead), and both are aborted, their blocks freed. A request may ask for
-shorter timeouts with the extra fields `queue_timeout_s` / `request_timeout_s`. /metrics counts rejections
-(`vllm:admission_rejections_total{reason}`) and aborts (`vllm:request_aborts_total{reason}`: timeouts,
-client disconnects, cancels).
+`max_num_queued_reqs` requests in flight or `max_num_queued_tokens` prompt tokens still to prefill,
+a new request gets 503 with Retry-After at once; past its tenant's rate, 429 with Retry-After (that
+tenant only); a request not started within `queue_timeout_s` gets 503, one not finished within
+`request_timeout_s` 504 (a stream gets an error event instead), and both are aborted, their blocks
+freed. A request may ask for shorter timeouts with the extra fields `queue_timeout_s` /
+`request_timeout_s`. /metrics counts rejections (`vllm:admission_rejections_total{reason}`) and
+aborts (`vllm:request_aborts_total{reason}`: timeouts, client disconnects, cancels).
 """
 
 from __future__ import annotations
@@ -85,21 +91,24 @@ from engine.serving.admission import Admission, AdmissionLimits, Rejected
 from engine.serving.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from engine.serving.prometheus import ServerMetrics
 
-# 1 MiB: about 250k tokens of English text, far more than any context we serve. A bigger body is refused
-# (413) before it is read, so one huge upload cannot fill the server's memory.
+# 1 MiB: about 250k tokens of English text, far more than any context we serve. A bigger body is
+# refused (413) before it is read, so one huge upload cannot fill the server's memory.
 MAX_REQUEST_BYTES = 1 << 20
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+# OpenAI's default for /v1/completions (chat: the rest of the context)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 SHOWN_INPUT_CHARS = 60  # an error message quotes at most this much of a bad value
 STARTUP_WAIT_S = 30.0  # BackgroundServer: how long to wait for uvicorn to listen
 STARTUP_POLL_S = 0.01
-GRACEFUL_SHUTDOWN_S = 5.0  # BackgroundServer.stop: how long open streams may go on before they are cut
+# BackgroundServer.stop: how long open streams may go on before they are cut
+GRACEFUL_SHUTDOWN_S = 5.0
 REQUEST_ID_HEADER = "X-Request-Id"  # vLLM's and most proxies' name for it
-# A client's own request id: URL-safe characters only (RFC 3986's unreserved set), so it goes into
-# /v1/requests/{id}/cancel as it is; 128 characters hold a UUID with any prefix and still fit a log line.
+# A client's own request id: URL-safe characters only (RFC 3986's unreserved set), so it goes
+# into /v1/requests/{id}/cancel as it is; 128 characters hold a UUID with any prefix and still
+# fit a log line.
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
-# ---- errors in OpenAI's shape ------------------------------------------------------------------------
+# ---- errors in OpenAI's shape --------------------------------------------------------------------
 
 
 class OpenAIError(Exception):
@@ -108,12 +117,16 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", retry_after_s: float | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        # HTTP's Retry-After counts whole seconds: we round up, so a client that obeys it is never early
-        self.headers = {} if retry_after_s is None else {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+        self.status, self.message, self.param, self.code, self.kind = (status, message, param,
+                                                                       code, kind)
+        # HTTP's Retry-After counts whole seconds: we round up,
+        # so a client that obeys it is never early
+        self.headers = ({} if retry_after_s is None
+                        else {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -131,11 +144,11 @@ def _short(value) -> str:
 def _validation_error(e: ValidationError) -> OpenAIError:
     first = e.errors()[0]
     param = ".".join(str(p) for p in first["loc"][:1]) or None
-    return bad_request(f"{param}: {first['msg']} (got {_short(first.get('input'))}); see OpenAI's API reference "
-                       "for the field's type", param, "invalid_type")
+    return bad_request(f"{param}: {first['msg']} (got {_short(first.get('input'))}); "
+                       "see OpenAI's API reference for the field's type", param, "invalid_type")
 
 
-# ---- the request bodies (OpenAI's fields, plus vLLM's sampling extras) ---------------------------------
+# ---- the request bodies (OpenAI's fields, plus vLLM's sampling extras) ---------------------------
 
 
 class StreamOptions(BaseModel):
@@ -144,7 +157,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields both endpoints share. Strict: "16" is not a number; unknown fields are ignored (as vLLM)."""
+    """Fields both endpoints share.
+    Strict: "16" is not a number; unknown fields are ignored (as vLLM)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str
@@ -166,7 +180,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
-    queue_timeout_s: float | None = None  # chapter 10: shorter timeouts than the server's, for this request
+    # chapter 10: shorter timeouts than the server's, for this request
+    queue_timeout_s: float | None = None
     request_timeout_s: float | None = None
 
 
@@ -196,52 +211,62 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
 
 
-# ---- the server -----------------------------------------------------------------------------------------
+# ---- the server ----------------------------------------------------------------------------------
 
 
 class OpenAIServer:
-    """The handlers, holding everything they need (no module-level state): the engine front, the served
-    model's name, its context length and the metrics. `build_app` wires them into a FastAPI app."""
+    """The handlers, holding everything they need (no module-level state): the engine front, the
+    served model's name, its context length and the metrics.
+    `build_app` wires them into a FastAPI app."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 limits: AdmissionLimits | None = None, api_keys: dict[str, str] | None = None):
+    def __init__(self, engine: LLMEngine, model_name: str,
+                 max_request_bytes: int = MAX_REQUEST_BYTES, limits: AdmissionLimits | None = None,
+                 api_keys: dict[str, str] | None = None):
         if engine.tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer (prompts arrive as text)")
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
         self.max_model_len = engine.max_model_len
         self.max_n = engine.config.scheduler.max_num_seqs
         self.metrics = ServerMetrics(model_name)
-        self.limits, self.api_keys = limits or AdmissionLimits(), api_keys  # api_keys: bearer key -> tenant
-        self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step, on_finish=self.metrics.on_finish,
-                                    admission=Admission(self.limits), on_abort=self.metrics.on_abort)
+        # api_keys: bearer key -> tenant
+        self.limits, self.api_keys = limits or AdmissionLimits(), api_keys
+        self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step,
+                                    on_finish=self.metrics.on_finish,
+                                    admission=Admission(self.limits),
+                                    on_abort=self.metrics.on_abort)
         self.created = int(time.time())
 
-    # ---- GET endpoints ----------------------------------------------------------------------------
+    # ---- GET endpoints ---------------------------------------------------------------------------
     async def health(self) -> Response:
         ok = self.front.is_running
-        return Response(status_code=200 if ok else 503, content=b"" if ok else b"engine thread is not running")
+        return Response(status_code=200 if ok else 503,
+                        content=b"" if ok else b"engine thread is not running")
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "servelab", "root": self.model_name,
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": self.created, "owned_by": "servelab",
+                                            "root": self.model_name,
                                             "max_model_len": self.max_model_len}]}
 
     async def metrics_text(self) -> Response:
         return await self.metrics.scrape(self.front)  # engine/serving/prometheus.py
 
-    # ---- POST endpoints ---------------------------------------------------------------------------
+    # ---- POST endpoints --------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
         prompt = self._completion_prompt(body)
-        ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
+        ids = (await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+               if isinstance(prompt, str) else prompt)
         room = self._check_context(len(ids), "prompt")
-        max_tokens = body.max_tokens if body.max_tokens is not None else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+        max_tokens = (body.max_tokens if body.max_tokens is not None
+                      else min(COMPLETION_DEFAULT_MAX_TOKENS, room))
         return await self._serve(request, body, ids, max_tokens, "cmpl", _CompletionShape())
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         if body.logprobs:
-            raise bad_request("logprobs are not supported by this server yet; leave it false", "logprobs")
+            raise bad_request("logprobs are not supported by this server yet; leave it false",
+                              "logprobs")
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
         tok = self.engine.tokenizer
         try:  # the same prompt as LLM.chat: the model's template, tokenized as it stands
@@ -250,20 +275,25 @@ class OpenAIServer:
             raise bad_request(str(e), "messages") from None
         ids = await asyncio.to_thread(tok.encode, text, False)
         room = self._check_context(len(ids), "messages")
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._serve(request, body, ids, room if asked is None else asked, "chatcmpl", _ChatShape())
+        asked = (body.max_completion_tokens if body.max_completion_tokens is not None
+                 else body.max_tokens)
+        return await self._serve(request, body, ids, room if asked is None else asked, "chatcmpl",
+                                 _ChatShape())
 
     async def cancel(self, request: Request, request_id: str) -> dict:
-        """POST /v1/requests/{request_id}/cancel: abort a request in flight (see the module docstring)."""
-        scope = self._key_tenant(request)  # with keys: 401 for an unknown key, else only its tenant's ids
+        """POST /v1/requests/{request_id}/cancel: abort a request in flight
+        (see the module docstring)."""
+        # with keys: 401 for an unknown key, else only its tenant's ids
+        scope = self._key_tenant(request)
         if not await self.front.abort(_engine_id(request_id, scope), "cancelled"):
             mine = " of this API key's tenant" if scope is not None else ""
-            raise OpenAIError(404, f"no request{mine} with id {request_id!r} is in flight: it finished already or "
-                              "never existed (the id is the response's \"id\" or its X-Request-Id header)",
+            raise OpenAIError(404, f"no request{mine} with id {request_id!r} is in flight: "
+                              "it finished already or never existed "
+                              "(the id is the response's \"id\" or its X-Request-Id header)",
                               "request_id", "request_not_found", "not_found_error")
         return {"id": request_id, "object": "request", "status": "cancelled"}
 
-    # ---- the shared path ------------------------------------------------------------------------------
+    # ---- the shared path -------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[BaseModel]):
         self._key_tenant(request)  # an unknown key is refused before we read its body
         data = await self._read_json(request)
@@ -273,10 +303,11 @@ class OpenAIServer:
             raise _validation_error(e) from None
         if body.model != self.model_name:
             raise OpenAIError(404, f"The model `{body.model}` does not exist. This server serves "
-                              f"{self.model_name!r} (GET /v1/models lists it).", "model", "model_not_found")
+                              f"{self.model_name!r} (GET /v1/models lists it).", "model",
+                              "model_not_found")
         if not 1 <= body.n <= self.max_n:
-            raise bad_request(f"n={body.n}: this server runs at most max_num_seqs={self.max_n} sequences "
-                              f"together, so n must be in [1, {self.max_n}]", "n")
+            raise bad_request(f"n={body.n}: this server runs at most max_num_seqs={self.max_n} "
+                              f"sequences together, so n must be in [1, {self.max_n}]", "n")
         return body
 
     async def _read_json(self, request: Request) -> dict:
@@ -291,39 +322,45 @@ class OpenAIServer:
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON ({e}); send one JSON object", None,
-                              "invalid_json") from None
+            raise bad_request(f"the request body is not valid JSON ({e}); send one JSON object",
+                              None, "invalid_json") from None
         if not isinstance(data, dict):
-            raise bad_request(f"the request body must be a JSON object, got a {type(data).__name__}")
+            raise bad_request("the request body must be a JSON object, "
+                              f"got a {type(data).__name__}")
         return data
 
     def _key_tenant(self, request: Request) -> str | None:
-        """The tenant of the request's `Authorization: Bearer <key>` (None when the server has no keys)."""
+        """The tenant of the request's `Authorization: Bearer <key>`
+        (None when the server has no keys)."""
         if self.api_keys is None:
             return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         tenant = self.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:
-            raise OpenAIError(401, "Incorrect API key provided: send `Authorization: Bearer <key>` with a key "
-                              "this server was started with (--api-key TENANT=KEY)", None, "invalid_api_key")
+            raise OpenAIError(401, "Incorrect API key provided: send `Authorization: Bearer <key>` "
+                              "with a key this server was started with (--api-key TENANT=KEY)",
+                              None, "invalid_api_key")
         return tenant
 
     def _too_large(self, size: int) -> OpenAIError:
-        return OpenAIError(413, f"the request body has {size} bytes or more; this server accepts at most "
-                           f"{self.max_request_bytes} (max_request_bytes): send a shorter prompt",
-                           None, "request_too_large")
+        return OpenAIError(413, f"the request body has {size} bytes or more; this server accepts "
+                           f"at most {self.max_request_bytes} (max_request_bytes): "
+                           "send a shorter prompt", None, "request_too_large")
 
     @staticmethod
     def _completion_prompt(body: CompletionRequest) -> str | list[int]:
         for name, bad in (("logprobs", body.logprobs is not None), ("echo", body.echo),
-                          ("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, body.n))):
+                          ("suffix", body.suffix is not None),
+                          ("best_of", body.best_of not in (None, body.n))):
             if bad:
                 raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise bad_request(f"prompt: got a batch of {len(prompt)} prompts; this server takes one prompt "
-                                  "per request (send them as separate requests: they are batched anyway)", "prompt")
+                raise bad_request(f"prompt: got a batch of {len(prompt)} prompts; "
+                                  "this server takes one prompt per request "
+                                  "(send them as separate requests: they are batched anyway)",
+                                  "prompt")
             prompt = prompt[0]
         if not prompt:
             raise bad_request("prompt is empty; give at least one character or token id", "prompt")
@@ -333,33 +370,37 @@ class OpenAIServer:
         """The room left for the answer; a prompt that fills the context is refused."""
         room = self.max_model_len - n_prompt
         if room < 1:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, but the "
-                              f"{param} has {n_prompt} tokens, leaving no room for an answer. Please shorten "
-                              f"the {param}.", param, "context_length_exceeded")
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} "
+                              f"tokens, but the {param} has {n_prompt} tokens, leaving no room "
+                              f"for an answer. Please shorten the {param}.", param,
+                              "context_length_exceeded")
         return room
 
     def _params(self, body: _Sampling, n_prompt: int, max_tokens: int) -> SamplingParams:
         if n_prompt + max_tokens > self.max_model_len:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for "
-                              f"the completion). Please reduce max_tokens to at most {self.max_model_len - n_prompt}"
-                              " or shorten the prompt.", "max_tokens", "context_length_exceeded")
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} "
+                              f"tokens. However, you requested {n_prompt + max_tokens} tokens "
+                              f"({n_prompt} in the prompt, {max_tokens} for the completion). "
+                              "Please reduce max_tokens to at most "
+                              f"{self.max_model_len - n_prompt} or shorten the prompt.",
+                              "max_tokens", "context_length_exceeded")
         try:
             return SamplingParams(
-                n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=max_tokens,
-                min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
-                ignore_eos=body.ignore_eos)
+                n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+                stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos)
         except ValueError as e:  # "SamplingParams.<field>=... is not allowed: ..."
             field = str(e).split("=", 1)[0].removeprefix("SamplingParams.")
             raise bad_request(str(e), field if field.isidentifier() else None) from None
 
-    async def _serve(self, request: Request, body: _Sampling, ids: list[int], max_tokens: int, kind: str,
-                     shape: _Shape) -> Response:
+    async def _serve(self, request: Request, body: _Sampling, ids: list[int], max_tokens: int,
+                     kind: str, shape: _Shape) -> Response:
         params = self._params(body, len(ids), max_tokens)
         tenant = body.user if self.api_keys is None else self._key_tenant(request)
-        public_id, request_id = await self._request_id(request, kind, None if self.api_keys is None else tenant)
+        public_id, request_id = await self._request_id(request, kind,
+                                                       None if self.api_keys is None else tenant)
         try:
             stream = await self.front.add_request(ids, params, request_id, body.queue_timeout_s,
                                                   body.request_timeout_s, tenant=tenant)
@@ -369,7 +410,8 @@ class OpenAIServer:
             raise OpenAIError(e.status, e.message, None, e.reason, kind, e.retry_after_s) from None
         except (ValueError, TypeError) as e:  # the engine's checks: it kept nothing
             raise bad_request(str(e)) from None
-        reply = _Reply(public_id, int(time.time()), self.model_name, body, shape, self.limits.retry_after_s)
+        reply = _Reply(public_id, int(time.time()), self.model_name, body, shape,
+                       self.limits.retry_after_s)
         if body.stream:
             return StreamingResponse(_sse(stream, reply), media_type="text/event-stream",
                                      headers={REQUEST_ID_HEADER: public_id})
@@ -381,39 +423,45 @@ class OpenAIServer:
         return response
 
     async def _request_id(self, request: Request, kind: str, scope: str | None) -> tuple[str, str]:
-        """(the id the client sees, the engine's id): the client's X-Request-Id, else "<kind>-<uuid>";
-        with API keys the engine's id is "<tenant>/<id>" (`scope` is the tenant), so tenants never collide."""
+        """(the id the client sees, the engine's id): the client's X-Request-Id, else
+        "<kind>-<uuid>"; with API keys the engine's id is "<tenant>/<id>" (`scope` is the tenant),
+        so tenants never collide."""
         asked = request.headers.get(REQUEST_ID_HEADER)
         if asked is None:
             public_id = f"{kind}-{uuid.uuid4().hex}"
             return public_id, _engine_id(public_id, scope)
         if CLIENT_REQUEST_ID.fullmatch(asked) is None:
-            raise bad_request(f"{REQUEST_ID_HEADER}: {_short(asked)} is not a usable request id; use 1 to 128 of "
-                              "the characters A-Z a-z 0-9 . _ ~ - (or leave the header out for a server id)",
+            raise bad_request(f"{REQUEST_ID_HEADER}: {_short(asked)} is not a usable request id; "
+                              "use 1 to 128 of the characters A-Z a-z 0-9 . _ ~ - "
+                              "(or leave the header out for a server id)",
                               None, "invalid_request_id")
         engine_id = _engine_id(asked, scope)
         if await self.front.run(lambda e: engine_id in e.requests):
-            raise OpenAIError(409, f"{REQUEST_ID_HEADER}: a request with id {asked!r} is still in flight; give "
-                              "each request an id of its own", None, "duplicate_request_id")
+            raise OpenAIError(409, f"{REQUEST_ID_HEADER}: a request with id {asked!r} is still in "
+                              "flight; give each request an id of its own", None,
+                              "duplicate_request_id")
         return asked, engine_id
 
 
 def _engine_id(public_id: str, scope: str | None) -> str:
-    """The engine's request id for a client's id: the id itself, or "<tenant>/<id>" with API keys."""
+    """The engine's request id for a client's id:
+    the id itself, or "<tenant>/<id>" with API keys."""
     return public_id if scope is None else f"{scope}/{public_id}"
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict:
-    """An OpenAI message as the chat template wants it: text content only ("developer" is a system turn)."""
+    """An OpenAI message as the chat template wants it:
+    text content only ("developer" is a system turn)."""
     content = m.content or ""
     if isinstance(content, list):
         if any(p.type != "text" for p in content):
-            raise bad_request(f"messages[{i}].content: only text parts are supported (type 'text')", "messages")
+            raise bad_request(f"messages[{i}].content: only text parts are supported "
+                              "(type 'text')", "messages")
         content = "".join(p.text for p in content)
     return {"role": "system" if m.role == "developer" else m.role, "content": content}
 
 
-# ---- response shapes: one class per endpoint, one _Reply per request -----------------------------------------
+# ---- response shapes: one class per endpoint, one _Reply per request -----------------------------
 
 
 class _Shape:
@@ -454,21 +502,24 @@ class _Reply:
 
     def __init__(self, request_id: str, created: int, model: str, body: _Sampling, shape: _Shape,
                  retry_after_s: float):
-        self.id, self.created, self.model, self.retry_after_s = request_id, created, model, retry_after_s
+        self.id, self.created, self.model, self.retry_after_s = (request_id, created, model,
+                                                                 retry_after_s)
         self.shape, self.n = shape, body.n
         self.usage_chunks = bool(body.stream_options and body.stream_options.include_usage)
         self.token_ids = body.return_token_ids
         self.started: set[int] = set()
 
     def chunks(self, update: RequestUpdate) -> list[dict]:
-        """One chunk per sample that changed in this step (one token each); then, at the end, usage."""
+        """One chunk per sample that changed in this step (one token each);
+        then, at the end, usage."""
         out = []
         for d in update.deltas:
             if d.finish_reason == "error":
-                out.append(OpenAIError(500, f"the engine failed while serving this request: {d.error}",
-                                       None, "engine_error", "server_error").body())
+                out.append(OpenAIError(500, "the engine failed while serving this request: "
+                                       f"{d.error}", None, "engine_error", "server_error").body())
                 continue
-            choice = self.shape.choice_chunk(d.index, d.text, d.finish_reason, d.index not in self.started)
+            choice = self.shape.choice_chunk(d.index, d.text, d.finish_reason,
+                                             d.index not in self.started)
             self.started.add(d.index)
             if self.token_ids:
                 choice["token_ids"] = d.token_ids
@@ -478,22 +529,25 @@ class _Reply:
         if timeout is not None:
             out.append(timeout.body())
         if update.finished and self.usage_chunks:
-            out.append({**self._head(self.shape.object_chunk), "choices": [], "usage": _usage(update)})
+            out.append({**self._head(self.shape.object_chunk), "choices": [],
+                        "usage": _usage(update)})
         return out
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def timeout_error(self, update: RequestUpdate) -> OpenAIError | None:
-        """The error for a request its deadline aborted (engine/serving/admission.py's `Deadlines`), else None."""
+        """The error for a request its deadline aborted
+        (engine/serving/admission.py's `Deadlines`), else None."""
         if update.abort_reason == "queue_timeout":
-            return OpenAIError(503, "the request waited longer than its queue timeout (queue_timeout_s) for its "
-                               "first step and was aborted: the server is overloaded, retry later",
+            return OpenAIError(503, "the request waited longer than its queue timeout "
+                               "(queue_timeout_s) for its first step and was aborted: "
+                               "the server is overloaded, retry later",
                                None, "queue_timeout", "server_error", self.retry_after_s)
         if update.abort_reason == "request_timeout":
-            return OpenAIError(504, "the request ran past its deadline (request_timeout_s) and was aborted; "
-                               "ask for fewer max_tokens or a longer request_timeout_s", None, "request_timeout",
-                               "timeout_error")
+            return OpenAIError(504, "the request ran past its deadline (request_timeout_s) "
+                               "and was aborted; ask for fewer max_tokens or a longer "
+                               "request_timeout_s", None, "request_timeout", "timeout_error")
         return None
 
     def whole(self, updates: list[RequestUpdate]) -> Response:
@@ -506,14 +560,16 @@ class _Reply:
                 texts[d.index] += d.text
                 tokens[d.index] += d.token_ids
                 if d.finish_reason == "error":
-                    return OpenAIError(500, f"the engine failed while serving this request: {d.error}",
-                                       None, "engine_error", "server_error").response()
+                    return OpenAIError(500, "the engine failed while serving this request: "
+                                       f"{d.error}", None, "engine_error",
+                                       "server_error").response()
                 reasons[d.index] = d.finish_reason or reasons[d.index]
         choices = [self.shape.choice_whole(i, texts[i], reasons[i]) for i in range(self.n)]
         if self.token_ids:
             for c, ids in zip(choices, tokens, strict=True):
                 c["token_ids"] = ids
-        body = {**self._head(self.shape.object_whole), "choices": choices, "usage": _usage(updates[-1])}
+        body = {**self._head(self.shape.object_whole), "choices": choices,
+                "usage": _usage(updates[-1])}
         return JSONResponse(body)
 
 
@@ -523,8 +579,8 @@ def _usage(update: RequestUpdate) -> dict:
 
 
 async def _sse(stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
-    """Server-sent events: `data: <json>` and a blank line per chunk, then `data: [DONE]`. When the client
-    hangs up, Starlette cancels this generator; `finally` then aborts the request."""
+    """Server-sent events: `data: <json>` and a blank line per chunk, then `data: [DONE]`. When the
+    client hangs up, Starlette cancels this generator; `finally` then aborts the request."""
     try:
         async for update in stream:
             for chunk in reply.chunks(update):
@@ -535,14 +591,16 @@ async def _sse(stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
 
 
 async def _collect(stream: RequestStream, request: Request) -> list[RequestUpdate] | None:
-    """Every update of a non-streamed request, or None if the client hung up first (then it is aborted)."""
+    """Every update of a non-streamed request,
+    or None if the client hung up first (then it is aborted)."""
     updates: list[RequestUpdate] = []
 
     async def consume() -> None:
         async for update in stream:
             updates.append(update)
 
-    consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(_client_gone(request))
+    consumer, watcher = (asyncio.ensure_future(consume()),
+                         asyncio.ensure_future(_client_gone(request)))
     try:
         done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -557,16 +615,19 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-# ---- the app ---------------------------------------------------------------------------------------------
+# ---- the app -------------------------------------------------------------------------------------
 
 
-def build_app(engine: LLMEngine, model_name: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-              limits: AdmissionLimits | None = None, api_keys: dict[str, str] | None = None) -> FastAPI:
-    """A FastAPI app serving `engine` under `model_name` (default: the engine's model name). The app holds
-    its own AsyncLLMEngine (started and stopped with the app's lifespan) at `app.state.front`, the
-    metrics at `app.state.metrics`. `limits`: overload protection (engine/serving/admission.py; default: none);
-    `api_keys`: bearer key -> tenant (default: no keys, the tenant is OpenAI's `user`)."""
-    server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes, limits, api_keys)
+def build_app(engine: LLMEngine, model_name: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES, limits: AdmissionLimits | None = None,
+              api_keys: dict[str, str] | None = None) -> FastAPI:
+    """A FastAPI app serving `engine` under `model_name` (default: the engine's model name). The app
+    holds its own AsyncLLMEngine (started and stopped with the app's lifespan) at `app.state.front`,
+    the metrics at `app.state.metrics`. `limits`: overload protection
+    (engine/serving/admission.py; default: none); `api_keys`: bearer key -> tenant
+    (default: no keys, the tenant is OpenAI's `user`)."""
+    server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes, limits,
+                          api_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -574,7 +635,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_request_byte
         yield
         await asyncio.to_thread(server.front.shutdown)
 
-    app = FastAPI(title="servelab", description="an OpenAI-compatible server over a step-through engine",
+    app = FastAPI(title="servelab",
+                  description="an OpenAI-compatible server over a step-through engine",
                   lifespan=lifespan)
     app.state.server, app.state.front, app.state.metrics = server, server.front, server.metrics
     app.get("/health")(server.health)
@@ -592,8 +654,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, max_request_byte
 def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (unknown path 404, wrong method 405) in OpenAI's shape too."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, None,
-                       kind).response()
+    return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                       None, None, kind).response()
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -613,7 +675,8 @@ class BackgroundServer:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning"):
         self.app, self.host, self.port, self.log_level = app, host, port, log_level
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -627,7 +690,8 @@ class BackgroundServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))  # port 0: the OS picks a free one
         self.port = sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=self.log_level, lifespan="on",
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=self.log_level,
+                                                     lifespan="on",
                                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="servelab-http", daemon=True)

@@ -1,8 +1,10 @@
 """Figures for chapter 04 (and the block grid of chapter 05): where the KV slots go, block by block.
 
     render_reservation        contiguous max-length reservation vs paging: reserved, used, wasted
-    render_block_grid         the physical pool as a grid of cells, coloured by the sequence that owns them
-    render_block_grid_strip   a few snapshots of that grid, one under the other (the player without widgets)
+    render_block_grid         the physical pool as a grid of cells,
+                              coloured by the sequence that owns them
+    render_block_grid_strip   a few snapshots of that grid, one under the other
+                              (the player without widgets)
     block_grid_player         ipywidgets Play + slider over snapshots, redrawing render_block_grid
     render_block_size_sweep   the block size trade-off: waste, block table size, kernel work
 
@@ -26,8 +28,8 @@ fraction of its BS slots that hold tokens (the empty rest is the waste paging le
 that several sequences share (after `fork`) is hatched and says how many hold it ("x3 [0]").
 With prefix caching (chapter 06), a block nobody holds whose K/V is still cached (free but
 cached: the next request with the same prefix reuses it, or the evictor reclaims it) is pale
-green and says "cached". With a sliding window, a table entry of -1 (``NULL_BLOCK``) is a logical block
-the window freed: it holds no physical block, so nothing is drawn for it.
+green and says "cached". With a sliding window, a table entry of -1 (``NULL_BLOCK``) is a logical
+block the window freed: it holds no physical block, so nothing is drawn for it.
 
 Artists carry a `gid`: the cell of block b is "block:b", its filled part "fill:b".
 """
@@ -48,8 +50,10 @@ from matplotlib.patches import Patch, Rectangle
 from engine.kv.block_manager import BlockManager
 from kernels.paged_attention.reference import NULL_BLOCK
 
-GRID_COLUMNS = 16  # cells per row: a pool of 64 blocks is a 4 x 16 grid, still readable at notebook width
-WIDE_GRID_COLUMNS = 64  # for pools above 16 x 16 blocks (an engine's default pool): the grid stays short
+# cells per row: a pool of 64 blocks is a 4 x 16 grid, still readable at notebook width
+GRID_COLUMNS = 16
+# for pools above 16 x 16 blocks (an engine's default pool): the grid stays short
+WIDE_GRID_COLUMNS = 64
 CELL_INCHES = 0.62  # one cell of a small grid: room for a two-line label
 MAX_GRID_INCHES = 7.0  # the tallest one grid may get; its cells shrink beyond that
 LEGEND_INCHES = 2.6  # room on the right for the owners' legend
@@ -60,12 +64,14 @@ STRIP_SHRINK = 0.8  # a strip's grids are drawn a little smaller than a single g
 REQUESTS_DRAWN = 24  # rows in the per-request panel of render_reservation: enough to see the spread
 EMPTY_ALPHA = 0.22  # the empty part of an owned cell: its owner's colour, faded
 FREE_COLOR, EDGE_COLOR = "white", "0.55"
-CACHED_COLOR = "#c7e9c0"  # free but cached (prefix cache): a pale green, unlike any owner's strong colour
+# free but cached (prefix cache): a pale green, unlike any owner's strong colour
+CACHED_COLOR = "#c7e9c0"
 USED_COLOR, WASTED_COLOR = "tab:blue", "tab:red"
 SHARED_HATCH = "///"
-# 18 distinct colours: tab20's strong shades first, then its light ones, so neighbours differ; its two
-# greys (14, 15) are left out, because grey reads as "nobody's".
-PALETTE = [plt.get_cmap("tab20")(i) for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
+# 18 distinct colours: tab20's strong shades first, then its light ones, so neighbours differ; its
+# two greys (14, 15) are left out, because grey reads as "nobody's".
+PALETTE = [plt.get_cmap("tab20")(i) for i in (*range(0, 20, 2), *range(1, 20, 2))
+           if i not in (14, 15)]
 # A half-transparent white box behind a shared cell's text, so it stays readable on the hatching.
 LABEL_BOX = {"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 0.6}
 SWEEP_KEYS = ("block_size", "waste_pct", "table_entries_per_seq", "block_loads", "slots_loaded",
@@ -83,15 +89,17 @@ def _fail(func: str, field: str, message: str):
     raise ValueError(f"{func}: {field} {message}")
 
 
-# ---- contiguous reservation vs paging ---------------------------------------------------------------
+# ---- contiguous reservation vs paging ------------------------------------------------------------
 
 
-def reservation_summary(lengths: Sequence[int], max_len: int, block_size: int) -> dict[str, dict[str, float]]:
+def reservation_summary(lengths: Sequence[int], max_len: int,
+                        block_size: int) -> dict[str, dict[str, float]]:
     """Slots reserved, used and wasted by both schemes, for sequences of the given final lengths.
 
     contiguous: every sequence reserves ``max_len`` slots, so it wastes ``max_len - len``.
-    paged:      a sequence holds ``ceil(len / BS)`` blocks, so it wastes ``ceil(len / BS) * BS - len``
-                (at most BS - 1; about (BS - 1) / 2 on average, ``predicted_wasted``).
+    paged:      a sequence holds ``ceil(len / BS)`` blocks, so it wastes
+                ``ceil(len / BS) * BS - len`` (at most BS - 1; about (BS - 1) / 2 on average,
+                ``predicted_wasted``).
     """
     if not lengths:
         _fail("reservation_summary", "lengths", "is empty: give at least one sequence length")
@@ -99,7 +107,8 @@ def reservation_summary(lengths: Sequence[int], max_len: int, block_size: int) -
         _fail("reservation_summary", "block_size", f"must be >= 1, got {block_size}")
     bad = [n for n in lengths if not 1 <= n <= max_len]
     if bad:
-        _fail("reservation_summary", "lengths", f"must each be in 1..max_len = {max_len}, got {bad[0]}")
+        _fail("reservation_summary", "lengths",
+              f"must each be in 1..max_len = {max_len}, got {bad[0]}")
     used = sum(lengths)
     paged_reserved = sum(math.ceil(n / block_size) * block_size for n in lengths)
     out = {}
@@ -122,7 +131,8 @@ def _draw_request_bars(ax, lengths: Sequence[int], max_len: int, block_size: int
     ax.invert_yaxis()
     ax.axvline(max_len, color="black", linewidth=1, linestyle=":")
     ax.set_xlabel("KV slots (tokens)")
-    ax.set_title(f"Per request (first {len(shown)}): upper bar contiguous, lower bar paged (BS={block_size})")
+    ax.set_title(f"Per request (first {len(shown)}): upper bar contiguous, lower bar paged "
+                 f"(BS={block_size})")
 
 
 def render_reservation(lengths: Sequence[int], max_len: int, block_size: int) -> Figure:
@@ -146,12 +156,12 @@ def render_reservation(lengths: Sequence[int], max_len: int, block_size: int) ->
     ax.set_ylabel(f"KV slots, all {len(lengths)} requests")
     ax.set_title("Totals")
     ax.legend(loc="upper right")
-    fig.suptitle(f"{len(lengths)} requests, max_len = {max_len}: what a contiguous cache reserves vs what "
-                 "paging reserves")
+    fig.suptitle(f"{len(lengths)} requests, max_len = {max_len}: what a contiguous cache reserves "
+                 "vs what paging reserves")
     return fig
 
 
-# ---- the block grid ---------------------------------------------------------------------------------
+# ---- the block grid ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -181,28 +191,32 @@ def as_snapshot(data) -> BlockGridSnapshot:
     `cached_block_ids`."""
     if isinstance(data, BlockGridSnapshot):
         return data
-    get = data.get if isinstance(data, Mapping) else lambda key, default=None: getattr(data, key, default)
+    get = (data.get if isinstance(data, Mapping)
+           else lambda key, default=None: getattr(data, key, default))
     num_blocks = get("num_blocks", None)
     num_blocks = get("total", None) if num_blocks is None else num_blocks
     if get("tables", None) is None or num_blocks is None or get("block_size", None) is None:
-        raise ValueError("as_snapshot: data needs `tables`, `block_size` and `num_blocks` (or `total`), "
-                         f"got {type(data).__name__}")
+        raise ValueError("as_snapshot: data needs `tables`, `block_size` and `num_blocks` "
+                         f"(or `total`), got {type(data).__name__}")
     return BlockGridSnapshot(tables=dict(get("tables")), num_blocks=int(num_blocks),
-                             block_size=int(get("block_size")), num_tokens=get("num_tokens", None) or None,
+                             block_size=int(get("block_size")),
+                             num_tokens=get("num_tokens", None) or None,
                              label=str(get("label", "") or ""),
                              cached_block_ids=tuple(get("cached_block_ids", None) or ()))
 
 
 @dataclass(frozen=True)
 class Cell:
-    """What one physical block holds: its owners (in table order), logical index, and tokens in it."""
+    """What one physical block holds: its owners (in table order), logical index,
+    and tokens in it."""
 
     owners: tuple
     logical: int
     tokens: int
 
 
-def _check_tables(tables: Mapping, num_blocks: int, num_tokens: Mapping | None, block_size: int) -> None:
+def _check_tables(tables: Mapping, num_blocks: int, num_tokens: Mapping | None,
+                  block_size: int) -> None:
     func = "render_block_grid"
     if num_blocks < 1:
         _fail(func, "num_blocks", f"must be >= 1, got {num_blocks}")
@@ -233,20 +247,23 @@ def grid_cells(block_tables: Mapping, num_blocks: int, num_tokens: Mapping | Non
     _check_tables(block_tables, num_blocks, num_tokens, block_size)
     cells: dict[int, Cell] = {}
     for seq, table in block_tables.items():
-        n = len(table) * block_size if num_tokens is None or seq not in num_tokens else num_tokens[seq]
+        n = (len(table) * block_size if num_tokens is None or seq not in num_tokens
+             else num_tokens[seq])
         for i, b in enumerate(table):
             if b == NULL_BLOCK:
                 continue  # freed by the sliding window
             tokens = max(0, min(block_size, n - i * block_size))
             old = cells.get(b)
             owners = (seq,) if old is None else (*old.owners, seq)
-            cells[b] = Cell(owners, i if old is None else old.logical, max(tokens, old.tokens if old else 0))
+            cells[b] = Cell(owners, i if old is None else old.logical,
+                            max(tokens, old.tokens if old else 0))
     return cells
 
 
 def owner_color(seq_id, colors: Mapping | None = None):
-    """A sequence's colour: the same id gets the same colour in every figure (ints cycle the palette,
-    other ids are hashed with crc32, which, unlike hash(), does not change between runs)."""
+    """A sequence's colour: the same id gets the same colour in every figure (ints cycle the
+    palette, other ids are hashed with crc32, which, unlike hash(), does not change between
+    runs)."""
     if colors is not None and seq_id in colors:
         return colors[seq_id]
     index = seq_id if isinstance(seq_id, int) else zlib.crc32(str(seq_id).encode())
@@ -258,11 +275,13 @@ def _check_cached(cached: Sequence[int], tables: Mapping, num_blocks: int) -> No
     for b in cached:
         if not 0 <= b < num_blocks or b in held:
             _fail("render_block_grid", "cached_block_ids",
-                  f"holds block {b}: a free-but-cached block must be in 0..{num_blocks - 1} and in no table")
+                  f"holds block {b}: a free-but-cached block must be in 0..{num_blocks - 1} "
+                  "and in no table")
 
 
 def _owner_label(seq, table) -> str:
-    """"a: 3 blocks", or with a sliding window "a: 3 blocks (+2 freed)" (NULL_BLOCK entries hold none)."""
+    """"a: 3 blocks", or with a sliding window "a: 3 blocks (+2 freed)"
+    (NULL_BLOCK entries hold none)."""
     freed = sum(1 for b in table if b == NULL_BLOCK)
     return f"{seq}: {len(table) - freed} blocks" + (f" (+{freed} freed)" if freed else "")
 
@@ -277,24 +296,26 @@ def _cell_text(b: int, cell: Cell | None, cached: bool = False) -> str:
 
 def _draw_cell(ax, b: int, cell: Cell | None, block_size: int, columns: int, colors, labels: bool,
                cached: bool = False) -> None:
-    """One block: a frame faded in its owner's colour, the filled part solid (hatched when shared), a label.
+    """One block: a frame faded in its owner's colour, the filled part solid
+    (hatched when shared), a label.
 
     We add the artists with `add_artist` and keep them out of the layout: the axes limits are set
     once for the whole grid, and a pool of 48 cells then draws several times faster."""
     x, y = b % columns, b // columns
-    color = (CACHED_COLOR if cached else FREE_COLOR) if cell is None else owner_color(cell.owners[0], colors)
+    color = ((CACHED_COLOR if cached else FREE_COLOR) if cell is None
+             else owner_color(cell.owners[0], colors))
     shared = cell is not None and len(cell.owners) > 1
     face = mcolors.to_rgba(color, 1.0 if cell is None else EMPTY_ALPHA)
-    artists = [Rectangle((x, y), 1, 1, facecolor=face, edgecolor=EDGE_COLOR, linewidth=1, gid=f"block:{b}")]
+    artists = [Rectangle((x, y), 1, 1, facecolor=face, edgecolor=EDGE_COLOR, linewidth=1,
+                         gid=f"block:{b}")]
     if cell is not None:
         fill = cell.tokens / block_size
         hatch, edge = (SHARED_HATCH, "black") if shared else (None, "none")
-        artists.append(Rectangle((x, y + 1 - fill), 1, fill, facecolor=color, edgecolor=edge, hatch=hatch,
-                                 linewidth=0.5, gid=f"fill:{b}"))
+        artists.append(Rectangle((x, y + 1 - fill), 1, fill, facecolor=color, edgecolor=edge,
+                                 hatch=hatch, linewidth=0.5, gid=f"fill:{b}"))
     if labels:
-        artists.append(ax.text(x + 0.5, y + 0.5, _cell_text(b, cell, cached), ha="center", va="center",
-                               fontsize=6.5,
-                               bbox=LABEL_BOX if shared else None))
+        artists.append(ax.text(x + 0.5, y + 0.5, _cell_text(b, cell, cached), ha="center",
+                               va="center", fontsize=6.5, bbox=LABEL_BOX if shared else None))
     for artist in artists:
         artist.set_in_layout(False)
         if artist.axes is None:
@@ -323,27 +344,33 @@ def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = Tr
     ax.set_yticks([])
     held = sum(c.tokens for c in cells.values())
     wasted = len(cells) * snap.block_size - held
-    title = f"{len(cells)}/{snap.num_blocks} blocks used, {wasted} slots wasted (BS={snap.block_size})"
+    title = (f"{len(cells)}/{snap.num_blocks} blocks used, {wasted} slots wasted "
+             f"(BS={snap.block_size})")
     if cached:
         title += f", {len(cached)} free but cached"
     ax.set_title(f"{snap.label}\n{title}" if snap.label else title, fontsize=9)
     if legend and (snap.tables or cached):
         owners = list(snap.tables)[:LEGEND_MAX_OWNERS]
-        handles = [Patch(facecolor=owner_color(s, colors), label=_owner_label(s, snap.tables[s])) for s in owners]
+        handles = [Patch(facecolor=owner_color(s, colors),
+                         label=_owner_label(s, snap.tables[s])) for s in owners]
         if len(snap.tables) > len(owners):
             handles.append(Patch(facecolor="none", edgecolor="none",
                                  label=f"... and {len(snap.tables) - len(owners)} more"))
         if any(len(c.owners) > 1 for c in cells.values()):
-            handles.append(Patch(facecolor="white", edgecolor="black", hatch=SHARED_HATCH, label="shared"))
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch=SHARED_HATCH,
+                                 label="shared"))
         if cached:
-            handles.append(Patch(facecolor=CACHED_COLOR, edgecolor=EDGE_COLOR, label="free but cached"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+            handles.append(Patch(facecolor=CACHED_COLOR, edgecolor=EDGE_COLOR,
+                                 label="free but cached"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7,
+                  frameon=False)
 
 
 def render_block_grid(block_tables: Mapping, num_blocks: int, num_tokens: Mapping | None = None,
                       block_size: int = 16, title: str = "", colors: Mapping | None = None,
                       cached_block_ids: Sequence[int] = ()) -> Figure:
-    """The physical KV pool as a grid: one cell per block, coloured by its owner (see the module doc).
+    """The physical KV pool as a grid: one cell per block, coloured by its owner
+    (see the module doc).
 
     block_tables: {seq id: [physical block, ...]}; num_tokens: {seq id: tokens} (None: all full);
     colors: optional {seq id: colour}, to keep colours fixed across a series of figures;
@@ -382,8 +409,8 @@ def render_block_grid_strip(snapshots: Sequence, steps: Sequence[int] | None = N
     for ax, i in zip(axes[:, 0], steps, strict=True):
         snap = snaps[i]
         label = snap.label or f"snapshot {i}"
-        _draw_block_grid(ax, BlockGridSnapshot(snap.tables, snap.num_blocks, snap.block_size, snap.num_tokens,
-                                               label, snap.cached_block_ids))
+        _draw_block_grid(ax, BlockGridSnapshot(snap.tables, snap.num_blocks, snap.block_size,
+                                               snap.num_tokens, label, snap.cached_block_ids))
     return fig
 
 
@@ -399,7 +426,8 @@ def block_grid_player(snapshots: Sequence, interval_ms: int = 700):
     snaps = [as_snapshot(s) for s in snapshots]
     if not snaps:
         _fail("block_grid_player", "snapshots", "is empty: give at least one")
-    play = widgets.Play(value=0, min=0, max=len(snaps) - 1, step=1, interval=interval_ms, description="play")
+    play = widgets.Play(value=0, min=0, max=len(snaps) - 1, step=1, interval=interval_ms,
+                        description="play")
     slider = widgets.IntSlider(value=0, min=0, max=len(snaps) - 1, description="snapshot")
     widgets.jslink((play, "value"), (slider, "value"))
 
@@ -409,10 +437,11 @@ def block_grid_player(snapshots: Sequence, interval_ms: int = 700):
         display(render_block_grid(s.tables, s.num_blocks, s.num_tokens, s.block_size, label,
                                   cached_block_ids=s.cached_block_ids))
 
-    return widgets.VBox([widgets.HBox([play, slider]), widgets.interactive_output(redraw, {"i": slider})])
+    return widgets.VBox([widgets.HBox([play, slider]),
+                         widgets.interactive_output(redraw, {"i": slider})])
 
 
-# ---- the block size trade-off -----------------------------------------------------------------------
+# ---- the block size trade-off --------------------------------------------------------------------
 
 
 def block_size_sweep(lengths: Sequence[int], block_sizes: Sequence[int]) -> list[dict]:
@@ -436,7 +465,8 @@ def block_size_sweep(lengths: Sequence[int], block_sizes: Sequence[int]) -> list
         predicted = len(lengths) * (bs - 1) / 2
         rows.append({"block_size": bs, "waste_pct": 100 * u.waste_fraction,
                      "predicted_waste_pct": 100 * predicted / (u.used_slots + predicted),
-                     "table_entries_per_seq": u.used_blocks / len(lengths), "block_loads": u.used_blocks,
+                     "table_entries_per_seq": u.used_blocks / len(lengths),
+                     "block_loads": u.used_blocks,
                      "slots_loaded": u.reserved_slots, "useful_slots": u.used_slots})
     return rows
 
@@ -461,7 +491,8 @@ def render_block_size_sweep(rows: Sequence[Mapping]) -> Figure:
     waste.set(ylabel="KV slots wasted (% of reserved)", title="Waste grows with BS")
     waste.legend()
     table.plot(bs, [r["table_entries_per_seq"] for r in rows], "o-", color="tab:green")
-    table.set(ylabel="block table entries per sequence", yscale="log", title="The table shrinks as 1/BS")
+    table.set(ylabel="block table entries per sequence", yscale="log",
+              title="The table shrinks as 1/BS")
     kernel.plot(bs, [r["block_loads"] for r in rows], "o-", color="tab:purple",
                 label="block loads (loop trips)")
     kernel.set(ylabel="blocks walked per decode step (batch)", yscale="log",

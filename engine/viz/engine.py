@@ -1,12 +1,15 @@
 """Figures for chapter 05: what the engine did, step by step, drawn from a `Trace`.
 
-    render_timeline            one row per request: waiting / prefill / decode / preempted spans over steps
+    render_timeline            one row per request:
+                               waiting / prefill / decode / preempted spans over steps
     render_timeline_comparison the same arrivals under two (or more) configurations, side by side
     render_blocks              the KV block grid at step i (engine/viz/blocks.py draws it)
     render_queues              waiting, running, swapped counts and KV blocks used, over steps
     render_step                all of them at step i: the picture the player redraws
-    trace_player               ipywidgets Play + slider over render_step (static fallback: render_step)
-    render_step_durations      each step's wall time and tokens, for one or more runs (chunked prefill)
+    trace_player               ipywidgets Play + slider over render_step
+                               (static fallback: render_step)
+    render_step_durations      each step's wall time and tokens, for one or more runs
+                               (chunked prefill)
     render_sweep               throughput, TTFT and fairness against a scheduler knob (rows of
                                engine.companions.metrics.trace_metrics)
 
@@ -19,12 +22,14 @@ How to read a timeline (one character per step; the figure draws coloured bars):
                                                x: preempted here (recompute): back to waiting
 
 A row starts when the request arrives and ends in the step that produced its last token.
-"stalled" means admitted (holding KV blocks) but not scheduled in that step (the token budget ran out).
+"stalled" means admitted (holding KV blocks) but not scheduled in that step
+(the token budget ran out).
 
 The numbers behind the pictures are public (`step_states`, `timeline_spans`, `queue_lengths`), so a
-test or a reader can check them without a figure; the serving metrics in the titles (throughput, TTFT,
-TPOT, fairness) come from `engine/companions/metrics.py`, the one place they are computed. Artists carry a `gid`:
-a span is "span:<id>:<state>", a preemption marker "preempted:<id>", a queue line "queue:<name>".
+test or a reader can check them without a figure; the serving metrics in the titles (throughput,
+TTFT, TPOT, fairness) come from `engine/companions/metrics.py`, the one place they are computed.
+Artists carry a `gid`: a span is "span:<id>:<state>", a preemption marker "preempted:<id>", a queue
+line "queue:<name>".
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ ROW_HEIGHT = 0.7  # of a timeline row (rows are 1 apart): the gap between bars k
 ROW_INCHES = 0.26  # figure height per timeline row
 MAX_TIMELINE_INCHES = 9.0  # a 200-request timeline still fits on a screen; its labels get small
 ROW_LABELS_MAX = 40  # above this many rows we label every k-th row only, so labels do not overlap
-NOW_ALPHA = 0.12  # the shade over the current step's column: visible, yet the bars under it stay readable
+# the shade over the current step's column: visible, yet the bars under it stay readable
+NOW_ALPHA = 0.12
 PLAYER_INTERVAL_MS = 800  # one step per 0.8 s: slow enough to read the step's title
 
 
@@ -70,7 +76,7 @@ def _check_step(func: str, trace: Trace, i: int) -> int:
     return i % len(trace)
 
 
-# ---- the numbers behind the figures ------------------------------------------------------------------
+# ---- the numbers behind the figures --------------------------------------------------------------
 
 
 def step_states(report: StepReport) -> dict[str, str]:
@@ -130,13 +136,13 @@ def describe_step(report: StepReport) -> str:
                 if s.phase == "prefill" and s.end > s.start]
     work = ([f"{len(decodes)} decode{'s' * (len(decodes) != 1)}"] if decodes else []) + prefills
     events = [f"{e['type']} {e['request_id']}" + (f" ({e['mode']})" if "mode" in e else "")
-              for e in report.events if e.get("type") in ("admitted", "preempted", "swapped_in", "finished",
-                                                           "aborted")]
+              for e in report.events if e.get("type") in ("admitted", "preempted", "swapped_in",
+                                                          "finished", "aborted")]
     text = f"step {report.step}: " + (", ".join(work) if work else "idle")
     return text + (" | " + ", ".join(events) if events else "")
 
 
-# ---- the timeline ----------------------------------------------------------------------------------
+# ---- the timeline --------------------------------------------------------------------------------
 
 
 def _draw_timeline(ax, trace: Trace, upto_step: int | None = None, title: str = "") -> None:
@@ -145,8 +151,8 @@ def _draw_timeline(ax, trace: Trace, upto_step: int | None = None, title: str = 
     for y, rid in enumerate(rows):
         for s in spans[rid]:
             ax.add_patch(Rectangle((s.start, y - ROW_HEIGHT / 2), s.stop - s.start, ROW_HEIGHT,
-                                   facecolor=STATE_COLORS[s.state], edgecolor="white", linewidth=0.3,
-                                   gid=f"span:{rid}:{s.state}"))
+                                   facecolor=STATE_COLORS[s.state], edgecolor="white",
+                                   linewidth=0.3, gid=f"span:{rid}:{s.state}"))
     where = {rid: y for y, rid in enumerate(rows)}
     for step, rid, _mode in preemption_steps(trace, upto_step):
         if rid in where:
@@ -171,7 +177,8 @@ def _state_legend(ax, trace: Trace) -> None:
     if preemption_steps(trace):
         handles.append(plt.Line2D([], [], marker="x", color="black", linestyle="none",
                                   label="preempted here"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7,
+              frameon=False)
 
 
 def _timeline_inches(num_rows: int) -> float:
@@ -181,7 +188,8 @@ def _timeline_inches(num_rows: int) -> float:
 def render_timeline(trace: Trace, upto_step: int | None = None, title: str = "") -> Figure:
     """Each request's life over the engine's steps (see the module docstring), up to `upto_step`."""
     if not trace.steps:
-        raise ValueError("render_timeline: trace has no steps; run the engine for at least one step first")
+        raise ValueError("render_timeline: trace has no steps; "
+                         "run the engine for at least one step first")
     fig, axes = _new_figure((9.0, _timeline_inches(len(trace.request_ids()))))
     _draw_timeline(axes[0][0], trace, upto_step, title)
     _state_legend(axes[0][0], trace)
@@ -195,20 +203,22 @@ def render_timeline_comparison(traces: Mapping[str, Trace], metrics: bool = True
         raise ValueError("render_timeline_comparison: traces must be a non-empty {name: Trace}, "
                          "each with at least one step")
     rows = max(len(t.request_ids()) for t in traces.values())
-    fig, axes = _new_figure((6.0 * len(traces), _timeline_inches(rows)), 1, len(traces), sharex=True)
+    fig, axes = _new_figure((6.0 * len(traces), _timeline_inches(rows)), 1, len(traces),
+                            sharex=True)
     for ax, (name, trace) in zip(axes[0], traces.items(), strict=True):
         title = name
         if metrics:
             m = trace_metrics(trace)
             title += (f"\n{len(trace)} steps, {m['tokens_per_step']:.2f} tokens/step, "
-                      f"{m['throughput_tok_s']:.0f} tok/s, mean TTFT {m['ttft_mean_steps']:.1f} steps")
+                      f"{m['throughput_tok_s']:.0f} tok/s, "
+                      f"mean TTFT {m['ttft_mean_steps']:.1f} steps")
         _draw_timeline(ax, trace, None, title)
     axes[0][0].set_xlim(0, max(len(t) for t in traces.values()))  # shared: the longest run fits
     _state_legend(axes[0][-1], max(traces.values(), key=lambda t: len(preemption_steps(t))))
     return fig
 
 
-# ---- blocks and queues -----------------------------------------------------------------------------
+# ---- blocks and queues ---------------------------------------------------------------------------
 
 
 def _block_snapshot(trace: Trace, i: int) -> BlockGridSnapshot:
@@ -218,24 +228,26 @@ def _block_snapshot(trace: Trace, i: int) -> BlockGridSnapshot:
 
 
 def render_blocks(trace: Trace, i: int) -> Figure:
-    """The KV block pool as the forward of step i saw it: one cell per block, coloured by its owner."""
+    """The KV block pool as the forward of step i saw it: one cell per block,
+    coloured by its owner."""
     i = _check_step("render_blocks", trace, i)
     snap = _block_snapshot(trace, i)
     if snap.num_blocks < 1:
         raise ValueError(f"render_blocks: step {i} has no block pool recorded (blocks.total = 0)")
-    return render_block_grid(snap.tables, snap.num_blocks, snap.num_tokens, snap.block_size, snap.label,
-                             cached_block_ids=snap.cached_block_ids)
+    return render_block_grid(snap.tables, snap.num_blocks, snap.num_tokens, snap.block_size,
+                             snap.label, cached_block_ids=snap.cached_block_ids)
 
 
 def queue_lengths(trace: Trace) -> dict[str, list[int]]:
-    """Per step: waiting, running (admitted), swapped counts, and KV blocks used / total / swap used."""
+    """Per step: waiting, running (admitted), swapped counts,
+    and KV blocks used / total / swap used."""
     out: dict[str, list[int]] = {k: [] for k in ("waiting", "running", "swapped", "blocks_used",
                                                  "blocks_total", "swap_used")}
     for report in trace.steps:
         q, b = report.queues, report.blocks
         for key, value in (("waiting", len(q.waiting)), ("running", len(q.running)),
-                           ("swapped", len(q.swapped)), ("blocks_used", b.used), ("blocks_total", b.total),
-                           ("swap_used", b.swap_used)):
+                           ("swapped", len(q.swapped)), ("blocks_used", b.used),
+                           ("blocks_total", b.total), ("swap_used", b.swap_used)):
             out[key].append(value)
     return out
 
@@ -244,16 +256,17 @@ def _draw_queues(ax_q, ax_kv, trace: Trace, mark_step: int | None = None) -> Non
     lengths, edges = queue_lengths(trace), range(len(trace) + 1)  # step i's value spans [i, i + 1)
     for name, color in QUEUE_COLORS.items():
         if name != "swapped" or any(lengths["swapped"]):
-            ax_q.stairs(lengths[name], edges, color=color, label=name, linewidth=1.5, gid=f"queue:{name}")
+            ax_q.stairs(lengths[name], edges, color=color, label=name, linewidth=1.5,
+                        gid=f"queue:{name}")
     ax_q.set_ylabel("requests")
     ax_q.legend(fontsize=7, loc="upper right", frameon=False)
-    ax_kv.stairs(lengths["blocks_used"], edges, color="tab:green", label="KV blocks used", linewidth=1.5,
-                 gid="queue:blocks_used")
-    ax_kv.stairs(lengths["blocks_total"], edges, color="black", linestyle="--", linewidth=0.8, label="pool",
-                 gid="queue:blocks_total")
+    ax_kv.stairs(lengths["blocks_used"], edges, color="tab:green", label="KV blocks used",
+                 linewidth=1.5, gid="queue:blocks_used")
+    ax_kv.stairs(lengths["blocks_total"], edges, color="black", linestyle="--", linewidth=0.8,
+                 label="pool", gid="queue:blocks_total")
     if any(lengths["swap_used"]):
-        ax_kv.stairs(lengths["swap_used"], edges, color="tab:purple", label="CPU swap used", linewidth=1.5,
-                     gid="queue:swap_used")
+        ax_kv.stairs(lengths["swap_used"], edges, color="tab:purple", label="CPU swap used",
+                     linewidth=1.5, gid="queue:swap_used")
     ax_kv.set_ylabel("KV blocks")
     ax_kv.set_xlabel("engine step")
     ax_kv.set_ylim(0, max(lengths["blocks_total"] + [1]) * 1.1)
@@ -263,14 +276,17 @@ def _draw_queues(ax_q, ax_kv, trace: Trace, mark_step: int | None = None) -> Non
             ax.axvline(step + 0.5, color="tab:red", linewidth=0.6, alpha=0.6, gid="preemption")
     if mark_step is not None:
         for ax in (ax_q, ax_kv):
-            ax.axvspan(mark_step, mark_step + 1, color="black", alpha=NOW_ALPHA, linewidth=0, gid="now")
+            ax.axvspan(mark_step, mark_step + 1, color="black", alpha=NOW_ALPHA, linewidth=0,
+                       gid="now")
     ax_q.set_xlim(0, len(trace))
 
 
 def render_queues(trace: Trace, mark_step: int | None = None) -> Figure:
-    """Queue lengths (top) and KV blocks in use (bottom) at every step; red lines mark preemptions."""
+    """Queue lengths (top) and KV blocks in use (bottom) at every step;
+    red lines mark preemptions."""
     if not trace.steps:
-        raise ValueError("render_queues: trace has no steps; run the engine for at least one step first")
+        raise ValueError("render_queues: trace has no steps; "
+                         "run the engine for at least one step first")
     fig, axes = _new_figure((8.0, 4.2), 2, 1, sharex=True)
     _draw_queues(axes[0][0], axes[1][0], trace, mark_step)
     axes[0][0].set_title("queues and KV blocks over the run (red: a preemption)", fontsize=10)
@@ -284,7 +300,8 @@ def render_step(trace: Trace, i: int) -> Figure:
     rows = len(trace.request_ids())
     fig = plt.figure(figsize=(12.0, _timeline_inches(rows) + 3.6), layout="constrained")
     plt.close(fig)
-    grid = fig.add_gridspec(2, 2, height_ratios=[_timeline_inches(rows), 3.6], width_ratios=[1.1, 1.0])
+    grid = fig.add_gridspec(2, 2, height_ratios=[_timeline_inches(rows), 3.6],
+                            width_ratios=[1.1, 1.0])
     timeline = fig.add_subplot(grid[0, :])
     _draw_timeline(timeline, trace, i, f"requests up to step {i}")
     _state_legend(timeline, trace)
@@ -299,7 +316,7 @@ def render_step(trace: Trace, i: int) -> Figure:
     return fig
 
 
-# ---- comparing runs ---------------------------------------------------------------------------------
+# ---- comparing runs ------------------------------------------------------------------------------
 
 
 def render_step_durations(traces: Mapping[str, Trace]) -> Figure:
@@ -314,7 +331,8 @@ def render_step_durations(traces: Mapping[str, Trace]) -> Figure:
     for k, (name, trace) in enumerate(traces.items()):
         edges = range(len(trace) + 1)
         ms = [1e3 * (r.end_time - r.start_time) for r in trace.steps]
-        axes[0][0].stairs(ms, edges, color=f"C{k}", linewidth=1.5, label=name, gid=f"duration:{name}")
+        axes[0][0].stairs(ms, edges, color=f"C{k}", linewidth=1.5, label=name,
+                          gid=f"duration:{name}")
         axes[1][0].stairs([r.num_tokens for r in trace.steps], edges, color=f"C{k}", linewidth=1.5,
                           label=name, gid=f"tokens:{name}")
     axes[0][0].set_ylabel("step time (ms)")
@@ -326,11 +344,12 @@ def render_step_durations(traces: Mapping[str, Trace]) -> Figure:
 
 
 def render_sweep(rows: Sequence[Mapping], knob: str) -> Figure:
-    """Throughput, latency (TTFT and TPOT) and fairness against a scheduler knob, from rows that each
-    hold the knob's value and the keys of `engine.companions.metrics.trace_metrics`
+    """Throughput, latency (TTFT and TPOT) and fairness against a scheduler knob, from rows that
+    each hold the knob's value and the keys of `engine.companions.metrics.trace_metrics`
     (e.g. {"max_num_seqs": 4, **trace_metrics(t)})."""
     if not rows or any(knob not in r for r in rows):
-        raise ValueError(f"render_sweep: rows must be a non-empty list of dicts, each with the knob {knob!r}")
+        raise ValueError("render_sweep: rows must be a non-empty list of dicts, each with the "
+                         f"knob {knob!r}")
     x = [r[knob] for r in rows]
     fig, axes = _new_figure((12.0, 3.6), 1, 3)
     ax_tp, ax_lat, ax_fair = axes[0]
@@ -370,7 +389,8 @@ def _twin_lines(ax, x, left, left_label: str, right, right_label: str) -> None:
 
 
 def evenly_spaced_steps(trace: Trace, count: int = 4) -> list[int]:
-    """`count` step indices spread from the first step to the last (for a static strip of render_step)."""
+    """`count` step indices spread from the first step to the last
+    (for a static strip of render_step)."""
     n = len(trace)
     return sorted({round(k * (n - 1) / max(count - 1, 1)) for k in range(min(count, n))})
 

@@ -1,9 +1,9 @@
 """Figures for chapters 02 and 03: where the time of a forward goes, and where the memory goes.
 
 Every function here is a `render_*(...) -> matplotlib Figure` that draws numbers it is given (or
-computes them with `engine.companions.memory` / `engine.companions.roofline`); nothing is measured here. The one widget,
-`kv_calculator_widget()`, is a thin ipywidgets wrapper around `render_kv_calculator`, so the same
-picture works without widgets (CI, GitHub preview).
+computes them with `engine.companions.memory` / `engine.companions.roofline`); nothing is measured
+here. The one widget, `kv_calculator_widget()`, is a thin ipywidgets wrapper around
+`render_kv_calculator`, so the same picture works without widgets (CI, GitHub preview).
 
     chapter 02   render_prefill_decode_times   time per token, prefill vs decode
                  render_roofline               measurements placed on this machine's roofline
@@ -28,7 +28,6 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from engine.config import MODEL_PRESETS, ModelConfig
 from engine.companions.memory import (
     ACTIVATION_RESERVE_FRACTION,
     DTYPE_BYTES,
@@ -41,18 +40,21 @@ from engine.companions.memory import (
     weight_bytes,
 )
 from engine.companions.roofline import MachineRoofline, ridge_point
+from engine.config import MODEL_PRESETS, ModelConfig
 from engine.viz.sampling import running_median, step_time_slope_ms
 
 MS_PER_S = 1000.0
 CURVE_POINTS = 400  # samples along a curve: smooth at any zoom a notebook offers
-CROSSING_MARGIN = 1.15  # extend the x axis 15% past where the largest card fills, so the crossing shows
+# extend the x axis 15% past where the largest card fills, so the crossing shows
+CROSSING_MARGIN = 1.15
 ROOFLINE_DECADES_MARGIN = 10.0  # one decade of room either side of the points and the ridge
 LABEL_LIFT = 1.4  # a text label sits this factor above its line on a log axis
 FIGSIZE = (8.0, 4.5)
 FIGSIZE_WIDE = (11.0, 4.2)
 
 # The calculator's allowed ranges: wide enough for every published model we know of (Llama-3.1-405B
-# has 126 layers, 128k context), small enough that the plot stays readable. Sliders use the same ranges.
+# has 126 layers, 128k context), small enough that the plot stays readable.
+# Sliders use the same ranges.
 CALCULATOR_LIMITS: dict[str, tuple[int, int]] = {
     "layers": (1, 256),
     "batch": (1, 4096),
@@ -61,8 +63,10 @@ CALCULATOR_LIMITS: dict[str, tuple[int, int]] = {
     "head_dim": (8, 1024),
 }
 CALCULATOR_AXES = ("tokens", "batch")
-# The calculator's names for the formula's factors (its sliders), and the ModelConfig fields they set.
-CALCULATOR_FIELDS = {"layers": "num_hidden_layers", "kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+# The calculator's names for the formula's factors (its sliders),
+# and the ModelConfig fields they set.
+CALCULATOR_FIELDS = {"layers": "num_hidden_layers", "kv_heads": "num_key_value_heads",
+                     "head_dim": "head_dim"}
 
 
 def _new_figure(figsize=FIGSIZE, ncols: int = 1):
@@ -86,7 +90,7 @@ def _check_range(func: str, field: str, value) -> None:
         raise ValueError(f"{func}: {field} must be an int in [{lo}, {hi}], got {value!r}")
 
 
-# ---- chapter 02: time per token, the roofline, request timelines ----------------------------------
+# ---- chapter 02: time per token, the roofline, request timelines ---------------------------------
 
 
 def render_prefill_decode_times(rows: Sequence[Mapping]) -> Figure:
@@ -103,18 +107,22 @@ def render_prefill_decode_times(rows: Sequence[Mapping]) -> Figure:
         if row["phase"] not in ("prefill", "decode"):
             raise ValueError(f"render_prefill_decode_times: phase must be 'prefill' or 'decode', "
                              f"got {row['phase']!r}")
-        series.setdefault((row["phase"], row["batch"]), []).append((row["tokens"], row["ms_per_token"]))
+        series.setdefault((row["phase"], row["batch"]), []).append(
+            (row["tokens"], row["ms_per_token"]))
     for (phase, batch), points in sorted(series.items()):
         x, y = zip(*sorted(points), strict=True)
         style = "-o" if phase == "prefill" else "--s"
         ax.plot(x, y, style, label=f"{phase}, batch {batch}", gid=f"{phase}:{batch}")
-    ax.set(xscale="log", yscale="log", xlabel="prompt length (prefill) / context length (decode), tokens",
-           ylabel="ms per token", title="Time per token: prefill shares each weight read among many tokens")
+    ax.set(xscale="log", yscale="log",
+           xlabel="prompt length (prefill) / context length (decode), tokens",
+           ylabel="ms per token",
+           title="Time per token: prefill shares each weight read among many tokens")
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 20 rather than 2x10^1
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_formatter(plain)
-    prefill_lengths = {row["tokens"] for row in rows if row["phase"] == "prefill"}  # decode's are P + 1:
-    ax.set_xticks(sorted(prefill_lengths or {row["tokens"] for row in rows}))  # one tick each, not two
+    # decode's are P + 1: one tick each, not two
+    prefill_lengths = {row["tokens"] for row in rows if row["phase"] == "prefill"}
+    ax.set_xticks(sorted(prefill_lengths or {row["tokens"] for row in rows}))
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.legend()
@@ -122,57 +130,68 @@ def render_prefill_decode_times(rows: Sequence[Mapping]) -> Figure:
     return fig
 
 
-def render_token_time_vs_floor(ms_per_token: Mapping[str, float], floor_ms: float, title: str) -> Figure:
-    """Horizontal bars: milliseconds per decode token for each way of running the same model, against the
-    bandwidth floor (the time to stream the weights once, a dashed line). The gap between a bar and the line is
-    time spent on something other than reading weights."""
+def render_token_time_vs_floor(ms_per_token: Mapping[str, float], floor_ms: float,
+                               title: str) -> Figure:
+    """Horizontal bars: milliseconds per decode token for each way of running the same model,
+    against the bandwidth floor (the time to stream the weights once, a dashed line). The gap
+    between a bar and the line is time spent on something other than reading weights."""
     if not ms_per_token:
-        raise ValueError("render_token_time_vs_floor: ms_per_token is empty; measure at least one way")
+        raise ValueError("render_token_time_vs_floor: ms_per_token is empty; "
+                         "measure at least one way")
     if not floor_ms > 0:
         raise ValueError(f"render_token_time_vs_floor: floor_ms must be > 0, got {floor_ms!r}")
     fig, ax = _new_figure(figsize=(FIGSIZE_WIDE[0], 1.6 + 0.6 * len(ms_per_token)))
     names = list(ms_per_token)
     bars = ax.barh(names, [ms_per_token[n] for n in names], color="tab:blue", height=0.5)
-    ax.bar_label(bars, labels=[f"{ms_per_token[n]:.1f} ms ({ms_per_token[n] / floor_ms:.1f}x the floor)"
+    ax.bar_label(bars, labels=[f"{ms_per_token[n]:.1f} ms "
+                               f"({ms_per_token[n] / floor_ms:.1f}x the floor)"
                                for n in names], padding=4)
-    ax.axvline(floor_ms, color="tab:red", linestyle="--", label=f"bandwidth floor {floor_ms:.1f} ms")
+    ax.axvline(floor_ms, color="tab:red", linestyle="--",
+               label=f"bandwidth floor {floor_ms:.1f} ms")
     ax.set_xlim(0, 1.45 * max(max(ms_per_token.values()), floor_ms))  # room for the labels
     ax.invert_yaxis()  # the first entry on top
     ax.set(xlabel="ms per decode token (batch 1)", title=title)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)  # below the axis: never on a bar
+    # below the axis: never on a bar
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), frameon=False)
     return fig
 
 
-def render_roofline(roofline: MachineRoofline, points: Sequence[tuple[str, float, float]]) -> Figure:
+def render_roofline(roofline: MachineRoofline,
+                    points: Sequence[tuple[str, float, float]]) -> Figure:
     """A log-log roofline with measured points (label, intensity in FLOP/byte, achieved FLOP/s).
 
     Points whose labels share their first word ("prefill ...", "decode ...") share a colour.
     """
     for label, intensity, flops in points:
         if not (intensity > 0 and flops > 0):
-            raise ValueError(f"render_roofline: point {label!r} needs intensity > 0 and achieved FLOP/s > 0 "
-                             f"(a log-log plot), got intensity={intensity!r}, flops={flops!r}")
+            raise ValueError(f"render_roofline: point {label!r} needs intensity > 0 "
+                             "and achieved FLOP/s > 0 (a log-log plot), "
+                             f"got intensity={intensity!r}, flops={flops!r}")
     ridge = ridge_point(roofline)
     xs = [p[1] for p in points] + [ridge]
-    x = np.geomspace(min(xs) / ROOFLINE_DECADES_MARGIN, max(xs) * ROOFLINE_DECADES_MARGIN, CURVE_POINTS)
+    x = np.geomspace(min(xs) / ROOFLINE_DECADES_MARGIN, max(xs) * ROOFLINE_DECADES_MARGIN,
+                     CURVE_POINTS)
     roof = np.minimum(roofline.peak_flops, roofline.bandwidth_bytes_per_s * x)
     fig, ax = _new_figure()
     ax.plot(x, roof, "k-", lw=2, label="roofline: min(peak, bandwidth x intensity)", gid="roof")
     ax.axvline(ridge, color="grey", ls=":", gid="ridge")
     ax.text(ridge, roofline.peak_flops * LABEL_LIFT, f" ridge {ridge:.1f} FLOP/B", color="grey")
-    ax.text(x[0], roofline.bandwidth_bytes_per_s * x[0] * LABEL_LIFT, "bandwidth-bound", color="grey")
+    ax.text(x[0], roofline.bandwidth_bytes_per_s * x[0] * LABEL_LIFT, "bandwidth-bound",
+            color="grey")
     ax.text(x[-1], roofline.peak_flops * LABEL_LIFT, "compute-bound", ha="right", color="grey")
     groups = list(dict.fromkeys(label.split()[0] for label, _, _ in points))
     colours = {g: f"C{i}" for i, g in enumerate(groups)}
     for i, (label, intensity, flops) in enumerate(points):
         group = label.split()[0]
         ax.scatter([intensity], [flops], color=colours[group], zorder=3, gid=f"point:{label}")
-        below = (4, -11) if i % 2 == 0 else (4, 5)  # alternate sides so neighbouring labels overlap less
+        # alternate sides so neighbouring labels overlap less
+        below = (4, -11) if i % 2 == 0 else (4, 5)
         ax.annotate(label, (intensity, flops), textcoords="offset points", xytext=below, fontsize=7)
     for g in groups:
         ax.scatter([], [], color=colours[g], label=g)
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte moved)",
-           ylabel="FLOP/s", ylim=(min([p[2] for p in points] + [roof[0]]) / 3, roofline.peak_flops * 4),
+           ylabel="FLOP/s",
+           ylim=(min([p[2] for p in points] + [roof[0]]) / 3, roofline.peak_flops * 4),
            title=f"Roofline ({roofline.dtype}): peak {_si(roofline.peak_flops)}FLOP/s, "
                  f"bandwidth {_si(roofline.bandwidth_bytes_per_s)}B/s")
     ax.legend(loc="lower right", fontsize=8)
@@ -195,9 +214,11 @@ def render_request_timelines(step_times_s: Mapping[str, Sequence[float]]) -> Fig
         arrivals = np.cumsum(times) * MS_PER_S  # when each token is ready
         ttft, e2e = arrivals[0], arrivals[-1]
         ax.barh(row, ttft, color="C3", alpha=0.35, gid=f"ttft:{label}")
-        ax.plot(arrivals, np.full_like(arrivals, row), "|", color="C0", ms=12, gid=f"tokens:{label}")
+        ax.plot(arrivals, np.full_like(arrivals, row), "|", color="C0", ms=12,
+                gid=f"tokens:{label}")
         tpot = (e2e - ttft) / (len(times) - 1) if len(times) > 1 else float("nan")
-        ax.text(0, row + 0.38, f"TTFT {ttft:.0f} ms · TPOT {tpot:.1f} ms ({MS_PER_S / tpot:.0f} tokens/s "
+        ax.text(0, row + 0.38,
+                f"TTFT {ttft:.0f} ms · TPOT {tpot:.1f} ms ({MS_PER_S / tpot:.0f} tokens/s "
                 f"while decoding) · {len(times)} tokens in {e2e:.0f} ms", fontsize=8, va="center")
     ax.set_yticks(range(len(step_times_s)), list(step_times_s))
     ax.set(xlabel="ms since the request arrived", ylim=(-0.6, len(step_times_s) - 0.1),
@@ -206,12 +227,13 @@ def render_request_timelines(step_times_s: Mapping[str, Sequence[float]]) -> Fig
     return fig
 
 
-# ---- chapter 03: naive vs cached, the KV calculator, attention variants, the sliding window --------
+# ---- chapter 03: naive vs cached, the KV calculator, attention variants, the sliding window ------
 
 
 def render_step_time_curves(step_times_s: Mapping[str, Sequence[float]], prompt_tokens: int,
                             include_prefill: bool = False) -> Figure:
-    """Per-step time of several generation loops as the sequence grows (chapter 01's picture, extended).
+    """Per-step time of several generation loops as the sequence grows
+    (chapter 01's picture, extended).
 
     Step i >= 1 feeds the sequence of `prompt_tokens + i` tokens (step 0 is the prefill, left out
     unless `include_prefill`: it is the same work for both loops and dwarfs the rest). Dots are the
@@ -219,7 +241,8 @@ def render_step_time_curves(step_times_s: Mapping[str, Sequence[float]], prompt_
     gives each loop's slope: milliseconds added per extra token of sequence.
     """
     if prompt_tokens < 1:
-        raise ValueError(f"render_step_time_curves: prompt_tokens must be >= 1, got {prompt_tokens}")
+        raise ValueError("render_step_time_curves: prompt_tokens must be >= 1, "
+                         f"got {prompt_tokens}")
     fig, ax = _new_figure()
     first = 0 if include_prefill else 1
     for i, (label, times) in enumerate(step_times_s.items()):
@@ -238,13 +261,15 @@ def render_step_time_curves(step_times_s: Mapping[str, Sequence[float]], prompt_
 
 def calculator_shape(preset: str, layers: int | None = None, kv_heads: int | None = None,
                      head_dim: int | None = None) -> ModelConfig:
-    """A preset's config with some of the formula's factors changed (what the calculator's sliders do).
+    """A preset's config with some of the formula's factors changed
+    (what the calculator's sliders do).
 
-    The weights follow the change too (fewer KV heads: smaller k/v projections), so the picture stays
-    one consistent, if hypothetical, model.
+    The weights follow the change too (fewer KV heads: smaller k/v projections), so the picture
+    stays one consistent, if hypothetical, model.
     """
     if preset not in MODEL_PRESETS:
-        raise ValueError(f"calculator_shape: preset must be one of {sorted(MODEL_PRESETS)}, got {preset!r}")
+        raise ValueError(f"calculator_shape: preset must be one of {sorted(MODEL_PRESETS)}, "
+                         f"got {preset!r}")
     config = MODEL_PRESETS[preset]
     changes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     changes = {field: value for field, value in changes.items() if value is not None}
@@ -254,16 +279,18 @@ def calculator_shape(preset: str, layers: int | None = None, kv_heads: int | Non
         return config
     heads = config.num_attention_heads
     if heads % changes.get("kv_heads", config.num_key_value_heads):
-        raise ValueError(f"calculator_shape: kv_heads must divide heads={heads} (each KV head serves a "
-                         f"whole group of query heads), got {kv_heads}")
+        raise ValueError(f"calculator_shape: kv_heads must divide heads={heads} (each KV head "
+                         f"serves a whole group of query heads), got {kv_heads}")
     name = config.name + " (" + ", ".join(f"{k}={v}" for k, v in changes.items()) + ")"
-    fields = {CALCULATOR_FIELDS[k]: int(v) for k, v in changes.items()}  # a slider may hand us numpy ints
+    # a slider may hand us numpy ints
+    fields = {CALCULATOR_FIELDS[k]: int(v) for k, v in changes.items()}
     return dataclasses.replace(config, name=name, **fields)
 
 
 def _kv_curve_gb(shape: ModelConfig, per_token: int, batch: int, tokens: int, vs: str,
                  x: np.ndarray) -> np.ndarray:
-    """KV GB along the x axis (tokens per sequence, or batch), a sliding window capping the tokens."""
+    """KV GB along the x axis (tokens per sequence, or batch),
+    a sliding window capping the tokens."""
     window = shape.sliding_window or math.inf
     if vs == "tokens":
         return per_token * batch * np.minimum(x, window) / GB
@@ -272,7 +299,8 @@ def _kv_curve_gb(shape: ModelConfig, per_token: int, batch: int, tokens: int, vs
 
 def _fit_label(shape: ModelConfig, card_gb: int, batch: int, tokens: int, vs: str,
                weight_dtype, kv_dtype) -> str:
-    """What fits on one card after the weights and vLLM's 10% reserve (engine.companions.memory.plan_memory)."""
+    """What fits on one card after the weights and vLLM's 10% reserve
+    (engine.companions.memory.plan_memory)."""
     try:
         plan = plan_memory(shape, card_gb * GB, weight_dtype, kv_dtype)
     except ValueError:
@@ -288,7 +316,8 @@ def _fit_label(shape: ModelConfig, card_gb: int, batch: int, tokens: int, vs: st
 
 def _x_axis(shape: ModelConfig, weights_gb: float, per_token: int, batch: int, tokens: int,
             vs: str) -> np.ndarray:
-    """From 0 (or batch 1) to past the point where the largest card fills (or 2x the chosen value)."""
+    """From 0 (or batch 1) to past the point where the largest card fills
+    (or 2x the chosen value)."""
     chosen = tokens if vs == "tokens" else batch
     per_unit_gb = _kv_curve_gb(shape, per_token, batch, tokens, vs, np.array([1.0]))[0]
     room_gb = max(GPU_MEMORY_GB.values()) - weights_gb
@@ -300,8 +329,9 @@ def _x_axis(shape: ModelConfig, weights_gb: float, per_token: int, batch: int, t
     return np.linspace(0 if vs == "tokens" else 1, end, CURVE_POINTS)
 
 
-def render_kv_calculator(shape: ModelConfig | str = "Llama-3-8B", batch: int = 1, tokens: int = 8192,
-                         kv_dtype="fp16", weight_dtype="fp16", vs: str = "tokens") -> Figure:
+def render_kv_calculator(shape: ModelConfig | str = "Llama-3-8B", batch: int = 1,
+                         tokens: int = 8192, kv_dtype="fp16", weight_dtype="fp16",
+                         vs: str = "tokens") -> Figure:
     """Weights plus KV cache, M_KV = 2·L·B·T·Hkv·D·b, against tokens per sequence or batch size.
 
     The weights are the grey band at the bottom, the KV cache is stacked on top; horizontal lines
@@ -323,7 +353,8 @@ def render_kv_calculator(shape: ModelConfig | str = "Llama-3-8B", batch: int = 1
     fig, ax = _new_figure()
     ax.fill_between(x, 0, weights_gb, color="grey", alpha=0.4, label=f"weights ({weight_dtype})",
                     gid="weights")
-    ax.fill_between(x, weights_gb, weights_gb + kv_gb, color="C0", alpha=0.4, label=f"KV cache ({kv_dtype})")
+    ax.fill_between(x, weights_gb, weights_gb + kv_gb, color="C0", alpha=0.4,
+                    label=f"KV cache ({kv_dtype})")
     ax.plot(x, weights_gb + kv_gb, "C0-", gid="total")
     for i, (card, gb) in enumerate(GPU_MEMORY_GB.items()):
         fits = _fit_label(shape, gb, batch, tokens, vs, weight_dtype, kv_dtype)
@@ -333,9 +364,11 @@ def render_kv_calculator(shape: ModelConfig | str = "Llama-3-8B", batch: int = 1
     ax.plot([chosen], [weights_gb + chosen_kv], "ko", gid="chosen")
     ax.annotate(f"B={batch}, T={tokens:,}: {weights_gb:.1f} + {chosen_kv:.1f} GB",
                 (chosen, weights_gb + chosen_kv), textcoords="offset points", xytext=(6, 6))
-    factors = f"2·{shape.num_hidden_layers}·B·T·{shape.num_key_value_heads}·{shape.head_dim}·{b:g} B"
+    factors = (f"2·{shape.num_hidden_layers}·B·T·{shape.num_key_value_heads}·"
+               f"{shape.head_dim}·{b:g} B")
     window = f", window {shape.sliding_window} tokens" if shape.sliding_window else ""
-    ax.set(xlabel="tokens per sequence (T)" if vs == "tokens" else "sequences (B)", ylabel="GB (10^9 bytes)",
+    ax.set(xlabel="tokens per sequence (T)" if vs == "tokens" else "sequences (B)",
+           ylabel="GB (10^9 bytes)",
            ylim=(0, max(max(GPU_MEMORY_GB.values()), weights_gb + kv_gb.max()) * 1.1),
            title=f"{shape.name or 'model'}: M_KV = {factors}{window}"
                  + (f" at B={batch}" if vs == "tokens" else f" at T={tokens:,}"))
@@ -344,8 +377,10 @@ def render_kv_calculator(shape: ModelConfig | str = "Llama-3-8B", batch: int = 1
     return fig
 
 
-def attention_variants(base: str = "Llama-3-8B", mha: str = "Llama-2-7B") -> list[tuple[str, ModelConfig]]:
-    """Real MHA and GQA models of about the same size, plus the GQA one redone as MQA (hypothetical)."""
+def attention_variants(base: str = "Llama-3-8B",
+                       mha: str = "Llama-2-7B") -> list[tuple[str, ModelConfig]]:
+    """Real MHA and GQA models of about the same size,
+    plus the GQA one redone as MQA (hypothetical)."""
     m, g = MODEL_PRESETS[mha], MODEL_PRESETS[base]
     mqa = dataclasses.replace(g, name=f"{g.name} as MQA", num_key_value_heads=1)
     return [(f"{m.name}\nMHA, {m.num_key_value_heads} KV heads", m),
@@ -356,13 +391,15 @@ def attention_variants(base: str = "Llama-3-8B", mha: str = "Llama-2-7B") -> lis
 def render_attention_variants(variants: Sequence[tuple[str, ModelConfig]] | None = None,
                               tokens: int = 8192, batch: int = 1, kv_dtype="fp16",
                               card_gb: int = 80) -> Figure:
-    """Left: KV GB of `batch` sequences of `tokens` tokens. Right: how many fit on a `card_gb` card."""
+    """Left: KV GB of `batch` sequences of `tokens` tokens.
+    Right: how many fit on a `card_gb` card."""
     variants = attention_variants() if variants is None else variants
     _check_range("render_attention_variants", "tokens", tokens)
     _check_range("render_attention_variants", "batch", batch)
     labels = [label for label, _ in variants]
     kv_gb = [kv_bytes_per_token(s, kv_dtype) * batch * tokens / GB for _, s in variants]
-    fits = [max_concurrent_sequences(s, card_gb * GB, tokens, kv_dtype, kv_dtype) for _, s in variants]
+    fits = [max_concurrent_sequences(s, card_gb * GB, tokens, kv_dtype, kv_dtype)
+            for _, s in variants]
     fig, (left, right) = _new_figure(FIGSIZE_WIDE, ncols=2)
     for ax, values, fmt in ((left, kv_gb, "{:.2f} GB"), (right, fits, "{:,}")):
         bars = ax.bar(labels, values, color=["C3", "C0", "C2"][: len(values)])
@@ -377,7 +414,8 @@ def render_attention_variants(variants: Sequence[tuple[str, ModelConfig]] | None
     return fig
 
 
-def render_window_recall(accuracy: Mapping[str, Mapping[int, float]], windows: Sequence[int] = ()) -> Figure:
+def render_window_recall(accuracy: Mapping[str, Mapping[int, float]],
+                         windows: Sequence[int] = ()) -> Figure:
     """Recall accuracy against prompt length, one line per cache; dotted lines mark the windows.
 
     `accuracy[label]` maps a prompt length in tokens to the fraction of questions answered right.
@@ -396,7 +434,7 @@ def render_window_recall(accuracy: Mapping[str, Mapping[int, float]], windows: S
     return fig
 
 
-# ---- the widget: a thin wrapper around render_kv_calculator ---------------------------------------
+# ---- the widget: a thin wrapper around render_kv_calculator --------------------------------------
 
 SLIDER_BATCH_MAX = 512  # a slider is for exploring; call render_kv_calculator for bigger numbers
 SLIDER_TOKENS_MAX = 131_072  # 128k, the longest context of the presets' families
@@ -414,13 +452,15 @@ def kv_calculator_widget(preset: str = "Llama-3-8B", batch: int = 32, tokens: in
 
     shape = calculator_shape(preset)
     int_slider = lambda field, value, **kw: w.IntSlider(  # noqa: E731 - a tiny local factory
-        value=value, min=CALCULATOR_LIMITS[field][0], description=field, continuous_update=False, **kw)
+        value=value, min=CALCULATOR_LIMITS[field][0], description=field, continuous_update=False,
+        **kw)
     controls = {
         "preset": w.Dropdown(options=sorted(MODEL_PRESETS), value=preset, description="preset"),
         "layers": int_slider("layers", shape.num_hidden_layers, max=CALCULATOR_LIMITS["layers"][1]),
         "batch": int_slider("batch", batch, max=SLIDER_BATCH_MAX),
         "tokens": int_slider("tokens", tokens, max=SLIDER_TOKENS_MAX, step=SLIDER_TOKENS_STEP),
-        "kv_heads": int_slider("kv_heads", shape.num_key_value_heads, max=CALCULATOR_LIMITS["kv_heads"][1]),
+        "kv_heads": int_slider("kv_heads", shape.num_key_value_heads,
+                               max=CALCULATOR_LIMITS["kv_heads"][1]),
         "head_dim": int_slider("head_dim", shape.head_dim, max=CALCULATOR_LIMITS["head_dim"][1]),
         "kv_dtype": w.Dropdown(options=list(DTYPE_BYTES), value="fp16", description="KV dtype"),
         "vs": w.ToggleButtons(options=list(CALCULATOR_AXES), value="tokens", description="x axis"),
@@ -428,7 +468,8 @@ def kv_calculator_widget(preset: str = "Llama-3-8B", batch: int = 32, tokens: in
 
     def on_preset(change) -> None:  # a new preset resets L, Hkv and D to its published values
         s = MODEL_PRESETS[change["new"]]
-        controls["layers"].value, controls["kv_heads"].value = s.num_hidden_layers, s.num_key_value_heads
+        controls["layers"].value, controls["kv_heads"].value = (s.num_hidden_layers,
+                                                                s.num_key_value_heads)
         controls["head_dim"].value = s.head_dim
 
     controls["preset"].observe(on_preset, names="value")

@@ -6,7 +6,8 @@
 
 Every function returns a closed matplotlib Figure: a notebook shows it as a cell's last value, a
 script saves it with `fig.savefig(...)`. Artists a test may look for carry a `gid` (the attention
-box is "box:attention", the bar of the MLP's up projection is "bar:MLP up", the raw loss line "loss").
+box is "box:attention", the bar of the MLP's up projection is "bar:MLP up",
+the raw loss line "loss").
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from engine.config import ModelConfig
 
 MB = 10**6  # decimal megabytes, like engine.companions.memory's GB
 PERCENT = 100.0
-SMOOTH_STEPS = 25  # moving-average window over the loss: enough to see the trend through batch noise
+# moving-average window over the loss: enough to see the trend through batch noise
+SMOOTH_STEPS = 25
 BOX_HEIGHT = 0.62  # in diagram units (one unit per row of the diagram)
 BOX_WIDTH = 6.4
 LAYER_COLOR, ATTN_COLOR, MLP_COLOR = "#eef3fb", "#cfe0f7", "#d9f0d3"
@@ -41,14 +43,16 @@ def _new_figure(figsize, ncols: int = 1):
 
 
 def attention_kind(config: ModelConfig) -> str:
-    """MHA (every query head has its own K/V head), MQA (one K/V head for all) or GQA (in between)."""
+    """MHA (every query head has its own K/V head), MQA (one K/V head for all) or GQA
+    (in between)."""
     if config.num_key_value_heads == config.num_attention_heads:
         return "MHA"
     return "MQA" if config.num_key_value_heads == 1 else "GQA"
 
 
 def _diagram_rows(c: ModelConfig) -> list[tuple[str, str, str, str]]:
-    """(gid, text, colour, right-hand note) for each box, top to bottom; None colour = plain text."""
+    """(gid, text, colour, right-hand note) for each box, top to bottom;
+    None colour = plain text."""
     E, F, H, Hkv, D, V = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
                           c.num_key_value_heads, c.head_dim, c.vocab_size)
     attn_params = 2 * E * H * D + 2 * E * Hkv * D
@@ -77,25 +81,28 @@ def _diagram_rows(c: ModelConfig) -> list[tuple[str, str, str, str]]:
 def render_architecture(config: ModelConfig) -> Figure:
     """The decoder as boxes, top to bottom, with `config`'s numbers written in.
 
-        token ids → embed → L × [ RMSNorm → attention → + → RMSNorm → SwiGLU → + ] → norm → lm_head → logits
+        token ids → embed → L × [ RMSNorm → attention → + → RMSNorm → SwiGLU → + ]
+                  → norm → lm_head → logits
     """
     rows = _diagram_rows(config)
     fig, ax = _new_figure((9.5, 0.75 * len(rows) + 0.6))
     n = len(rows)
     ys = [n - 1 - i for i in range(n)]  # top row at y = n - 1
-    layer_rows = [i for i, (gid, *_) in enumerate(rows) if gid in ("box:norm1", "box:attention", "add1",
-                                                                    "box:norm2", "box:mlp", "add2")]
+    layer_rows = [i for i, (gid, *_) in enumerate(rows)
+                  if gid in ("box:norm1", "box:attention", "add1", "box:norm2", "box:mlp", "add2")]
     top, bottom = ys[layer_rows[0]] + 0.5, ys[layer_rows[-1]] - 0.5
     frame = FancyBboxPatch((-BOX_WIDTH / 2 - 0.35, bottom), BOX_WIDTH + 0.7, top - bottom,
                            boxstyle="round,pad=0.05", facecolor=LAYER_COLOR, edgecolor="0.4",
                            linestyle="--", gid="box:layers")
     ax.add_patch(frame)
-    ax.text(-BOX_WIDTH / 2 - 0.55, (top + bottom) / 2, f"× L = {config.num_hidden_layers}\ndecoder\nlayers",
+    ax.text(-BOX_WIDTH / 2 - 0.55, (top + bottom) / 2,
+            f"× L = {config.num_hidden_layers}\ndecoder\nlayers",
             ha="right", va="center", fontsize=11, fontweight="bold", gid="label:layers")
     for (gid, text, color, note), y in zip(rows, ys, strict=True):
         if color is not None:
             ax.add_patch(FancyBboxPatch((-BOX_WIDTH / 2, y - BOX_HEIGHT / 2), BOX_WIDTH, BOX_HEIGHT,
-                                        boxstyle="round,pad=0.03", facecolor=color, edgecolor="0.3", gid=gid))
+                                        boxstyle="round,pad=0.03", facecolor=color, edgecolor="0.3",
+                                        gid=gid))
         ax.text(0, y, text, ha="center", va="center", fontsize=9, gid=f"text:{gid}")
         if note:
             ax.text(BOX_WIDTH / 2 + 0.5, y, note, ha="left", va="center", fontsize=8.5, color="0.3")
@@ -125,10 +132,12 @@ def _residual(ax, y_from: float, y_to: float) -> None:
 
 
 def render_parameter_breakdown(table: Sequence[Mapping]) -> Figure:
-    """One horizontal bar per component of `engine.lab.inspect_model.parameter_table`: its bytes, with
-    megabytes and share written on it. A tied component (0 bytes of its own) is labelled as such."""
+    """One horizontal bar per component of `engine.lab.inspect_model.parameter_table`: its bytes,
+    with megabytes and share written on it. A tied component (0 bytes of its own) is labelled as
+    such."""
     if not table:
-        raise ValueError("table is empty: pass the rows of engine.lab.inspect_model.parameter_table(model)")
+        raise ValueError("table is empty: pass the rows of "
+                         "engine.lab.inspect_model.parameter_table(model)")
     fig, ax = _new_figure((8.5, 0.45 * len(table) + 1.4))
     names = [r["component"] for r in table]
     sizes = np.array([r["bytes"] for r in table], dtype=float) / MB
@@ -138,8 +147,10 @@ def render_parameter_breakdown(table: Sequence[Mapping]) -> Figure:
         bar.set_gid(f"bar:{name}")
     widest = sizes.max() if sizes.max() > 0 else 1.0
     for yi, size, r in zip(y, sizes, table, strict=True):
-        label = f"  {size:.2f} MB · {r['share']:.1f}%" if r["params"] else f"  {r['note'] or 'no parameters'}"
-        ax.text(size, yi, label, va="center", fontsize=8.5, color="black" if r["params"] else TIED_COLOR)
+        label = (f"  {size:.2f} MB · {r['share']:.1f}%" if r["params"]
+                 else f"  {r['note'] or 'no parameters'}")
+        ax.text(size, yi, label, va="center", fontsize=8.5,
+                color="black" if r["params"] else TIED_COLOR)
     ax.set_yticks(y, names)
     ax.set_xlim(0, widest * 1.45)  # room for the labels right of the longest bar
     total_bytes, total_params = sum(r["bytes"] for r in table), sum(r["params"] for r in table)
@@ -165,7 +176,8 @@ def _component_color(name: str) -> str:
 
 
 def _moving_average(values: np.ndarray, window: int) -> np.ndarray:
-    """Mean over a centred window of `window` values (narrower at the ends, so no point is dropped)."""
+    """Mean over a centred window of `window` values (narrower at the ends,
+    so no point is dropped)."""
     cumsum = np.cumsum(np.insert(values, 0, 0.0))
     idx = np.arange(len(values))
     lo = np.maximum(idx - window // 2, 0)
@@ -174,17 +186,20 @@ def _moving_average(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def render_loss_curve(training_log: Mapping) -> Figure:
-    """Training loss per step (raw and smoothed) and training throughput, from a `training_log.json`.
+    """Training loss per step (raw and smoothed) and training throughput,
+    from a `training_log.json`.
 
     The log is what `engine.lab.training.train` writes: "loss" and "tokens_per_s" per step, "steps",
     and the "config" (batch_rows × context_tokens tokens per step, used for a tokens-seen axis).
     """
     loss = np.asarray(training_log.get("loss") or [], dtype=float)
     if loss.size == 0:
-        raise ValueError("training_log['loss'] is missing or empty: pass the parsed training_log.json")
+        raise ValueError("training_log['loss'] is missing or empty: "
+                         "pass the parsed training_log.json")
     steps = np.asarray(training_log.get("steps") or range(loss.size), dtype=float)
     if steps.size != loss.size:
-        raise ValueError(f"training_log: 'steps' has {steps.size} entries but 'loss' has {loss.size}")
+        raise ValueError(f"training_log: 'steps' has {steps.size} entries "
+                         f"but 'loss' has {loss.size}")
     fig, (ax, ax_tps) = _new_figure((11.0, 4.0), ncols=2)
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="loss per step", gid="loss")
     ax.plot(steps, _moving_average(loss, SMOOTH_STEPS), color="tab:blue", lw=2,
@@ -198,7 +213,8 @@ def render_loss_curve(training_log: Mapping) -> Figure:
     cfg = training_log.get("config") or {}
     if cfg.get("batch_rows") and cfg.get("context_tokens"):
         per_step = cfg["batch_rows"] * cfg["context_tokens"]
-        top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step / MB, lambda t: t * MB / per_step))
+        top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step / MB,
+                                                   lambda t: t * MB / per_step))
         top.set_xlabel("tokens seen (millions)")
     tps = training_log.get("tokens_per_s") or []
     if len(tps) == loss.size:
@@ -207,5 +223,6 @@ def render_loss_curve(training_log: Mapping) -> Figure:
     ax_tps.set_ylabel("tokens per second (average so far)")
     ax_tps.grid(alpha=0.3)
     seconds = training_log.get("train_seconds")
-    ax_tps.set_title(f"{seconds / 60:.1f} minutes of training" if seconds else "throughput", fontsize=10)
+    ax_tps.set_title(f"{seconds / 60:.1f} minutes of training" if seconds else "throughput",
+                     fontsize=10)
     return fig

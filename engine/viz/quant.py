@@ -1,19 +1,25 @@
-"""Figures for chapter 07: what quantization does to weights, what it costs in bytes, time and quality.
+"""Figures for chapter 07: what quantization does to weights, what it costs in bytes,
+time and quality.
 
     render_weight_histogram   one weight matrix's values on a log count axis, with the 16 levels a
                               per-tensor int4 grid would give them (most weights share a few levels)
     render_channel_max        max |value| per input channel, of the activations and of the weights:
                               the outlier channels that per-tensor scales and W8A8 struggle with
-    render_granularity_error  quantization error against bits per weight (scales and zeros included),
-                              one point per (bits, granularity)
-    render_gemv_bytes         bytes a GEMV reads per output: fp32, bf16, dequantize-then-matmul, fused
+    render_granularity_error  quantization error against bits per weight (scales and zeros
+                              included), one point per (bits, granularity)
+    render_gemv_bytes         bytes a GEMV reads per output: fp32, bf16,
+                              dequantize-then-matmul, fused
     render_layer_speed        speed-up over fp32 of each scheme, per layer shape, decode and prefill
-    render_bytes_breakdown    a model's weight bytes by kind, one bar per scheme (what was NOT quantized)
-    render_quality            one small panel per task metric, one bar per scheme, fp32 as a dashed line
-    render_kv_int8            KV int8: bytes per token per KV dtype (scales included), and decode step time
+    render_bytes_breakdown    a model's weight bytes by kind, one bar per scheme
+                              (what was NOT quantized)
+    render_quality            one small panel per task metric, one bar per scheme,
+                              fp32 as a dashed line
+    render_kv_int8            KV int8: bytes per token per KV dtype (scales included),
+                              and decode step time
 
 The functions draw the numbers they are given (the notebook measures them) and return a Figure that
-pyplot does not keep. Artists carry a ``gid`` so tests can find them: a bar is "bar:<panel>:<label>".
+pyplot does not keep. Artists carry a ``gid`` so tests can find them:
+a bar is "bar:<panel>:<label>".
 """
 
 from __future__ import annotations
@@ -33,13 +39,16 @@ TOP_CHANNELS = 5  # outlier channels named in the channel-max figure
 LEVEL_COLOR, LEVEL_ALPHA = "tab:red", 0.35
 REFERENCE_STYLE = {"color": "black", "ls": "--", "lw": 1.2}
 PANEL_INCHES = 3.2  # width of one small panel (quality metrics, speed panels)
-SPEED_MARGIN = 1.4  # room above the tallest and below the shortest speed-up bar (a factor: log axis)
+# room above the tallest and below the shortest speed-up bar (a factor: log axis)
+SPEED_MARGIN = 1.4
 VALUE_HEADROOM = 1.35  # a quality panel's top: 35% above its highest bar, room for the value labels
-CROWDED_SCHEMES = 5  # more bars than this in a quality panel: value labels turn upright so they do not overlap
+# more bars than this in a quality panel: value labels turn upright so they do not overlap
+CROWDED_SCHEMES = 5
 FIGSIZE = (8.0, 4.2)
 BYTES_PER_MIB = 2**20
-KIND_COLORS = {"quantized linears": "tab:green", "quantized lm_head": "tab:olive", "float linears": "tab:blue",
-               "embedding and lm_head": "tab:orange", "norms and other": "tab:gray"}
+KIND_COLORS = {"quantized linears": "tab:green", "quantized lm_head": "tab:olive",
+               "float linears": "tab:blue", "embedding and lm_head": "tab:orange",
+               "norms and other": "tab:gray"}
 
 
 def _new_figure(figsize=FIGSIZE, ncols: int = 1, nrows: int = 1):
@@ -54,7 +63,7 @@ def _require(func: str, field: str, ok: bool, got) -> None:
         raise ValueError(f"{func}: {field} {got}")
 
 
-# ---- the weights themselves -----------------------------------------------------------------------
+# ---- the weights themselves ----------------------------------------------------------------------
 
 
 def per_tensor_int4_levels(weight: torch.Tensor) -> np.ndarray:
@@ -64,7 +73,8 @@ def per_tensor_int4_levels(weight: torch.Tensor) -> np.ndarray:
 
 
 def render_weight_histogram(weight: torch.Tensor, name: str) -> Figure:
-    """Histogram of every value of ``weight`` (log counts), with the per-tensor int4 levels drawn on it."""
+    """Histogram of every value of ``weight`` (log counts),
+    with the per-tensor int4 levels drawn on it."""
     _require("render_weight_histogram", "weight", weight.dim() == 2 and weight.numel() > 0,
              f"must be a non-empty 2-D matrix, got shape {tuple(weight.shape)}")
     values = weight.detach().float().flatten().numpy()
@@ -87,11 +97,14 @@ def render_channel_max(activation_max: torch.Tensor, weight_max: torch.Tensor, n
     """Two panels over the input channels j of one layer: max |x_j| (activations, over calibration
     tokens) and max |W[:, j]| (weights). The TOP_CHANNELS largest of each are marked and named."""
     _require("render_channel_max", "activation_max", activation_max.shape == weight_max.shape and
-             activation_max.dim() == 1, f"and weight_max must both be [K], got {tuple(activation_max.shape)} "
+             activation_max.dim() == 1,
+             f"and weight_max must both be [K], got {tuple(activation_max.shape)} "
              f"and {tuple(weight_max.shape)}")
     fig, axes = _new_figure((FIGSIZE[0], 5.2), nrows=2)
-    for ax, (what, values, color) in zip(axes, (("activations max |x_j|", activation_max, "tab:purple"),
-                                                ("weights max |W[:, j]|", weight_max, "tab:blue")), strict=True):
+    for ax, (what, values, color) in zip(axes,
+                                         (("activations max |x_j|", activation_max, "tab:purple"),
+                                          ("weights max |W[:, j]|", weight_max, "tab:blue")),
+                                         strict=True):
         v = values.detach().float().numpy()
         ax.bar(np.arange(v.size), v, width=1.0, color=color, gid=f"channels:{what.split()[0]}")
         top = np.argsort(v)[::-1][:TOP_CHANNELS]
@@ -101,7 +114,8 @@ def render_channel_max(activation_max: torch.Tensor, weight_max: torch.Tensor, n
         ax.set(ylabel=f"{what} (log)", yscale="log", xlim=(-1, v.size),
                title=f"{what.split()[0]}: largest channels {list(map(int, top))}, "
                      f"{v[top[0]] / median:.0f}x the median {median:.3g} (dashed)")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 6 rather than 6x10^0
+        # 6 rather than 6x10^0
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
     axes[-1].set_xlabel(f"input channel j of {name}")
     return fig
@@ -110,29 +124,35 @@ def render_channel_max(activation_max: torch.Tensor, weight_max: torch.Tensor, n
 def render_granularity_error(rows: Sequence[Mapping]) -> Figure:
     """Relative error ||W - dequant(quant(W))|| / ||W|| against bits per weight, metadata included.
 
-    Each row: {"label": "int4 per-group 128", "bits": 4 or 8, "bits_per_weight": float, "error": float}.
+    Each row: {"label": "int4 per-group 128", "bits": 4 or 8, "bits_per_weight": float,
+    "error": float}.
     """
     _require("render_granularity_error", "rows", bool(rows), "is empty; quantize at least one way")
     for r in rows:
-        _require("render_granularity_error", f"row {r.get('label')!r}", r["error"] > 0 and r["bits_per_weight"] > 0,
-                 f"needs error > 0 and bits_per_weight > 0 (a log axis), got {r['error']!r}, {r['bits_per_weight']!r}")
+        _require("render_granularity_error", f"row {r.get('label')!r}",
+                 r["error"] > 0 and r["bits_per_weight"] > 0,
+                 "needs error > 0 and bits_per_weight > 0 (a log axis), "
+                 f"got {r['error']!r}, {r['bits_per_weight']!r}")
     fig, (ax,) = _new_figure()
     for r in rows:
         color = "tab:orange" if r["bits"] == 4 else "tab:blue"
-        ax.scatter([r["bits_per_weight"]], [r["error"]], color=color, s=40, zorder=3, gid=f"point:{r['label']}")
+        ax.scatter([r["bits_per_weight"]], [r["error"]], color=color, s=40, zorder=3,
+                   gid=f"point:{r['label']}")
         ax.annotate(r["label"], (r["bits_per_weight"], r["error"]), textcoords="offset points",
                     xytext=(6, 2), fontsize=8)
     for bits, color in ((4, "tab:orange"), (8, "tab:blue")):
         ax.scatter([], [], color=color, label=f"int{bits}")
     xs = [r["bits_per_weight"] for r in rows]
-    ax.set(yscale="log", xlim=(min(xs) - 0.5, max(xs) + 2.5), xlabel="bits per weight (scales and zeros included)",
-           ylabel="relative error ||W - W_q|| / ||W||", title="Finer granularity: a few more bits, far less error")
+    ax.set(yscale="log", xlim=(min(xs) - 0.5, max(xs) + 2.5),
+           xlabel="bits per weight (scales and zeros included)",
+           ylabel="relative error ||W - W_q|| / ||W||",
+           title="Finer granularity: a few more bits, far less error")
     ax.legend(loc="upper right")
     ax.grid(True, which="both", alpha=0.3)
     return fig
 
 
-# ---- bytes and time -------------------------------------------------------------------------------
+# ---- bytes and time ------------------------------------------------------------------------------
 
 
 def render_gemv_bytes(bytes_per_output: Mapping[str, float], K: int) -> Figure:
@@ -162,10 +182,13 @@ def render_layer_speed(rows: Sequence[Mapping], baseline: str = "fp32") -> Figur
     schemes = [s for s in dict.fromkeys(r["scheme"] for r in rows) if s != baseline]
     ms = {(r["mode"], r["shape"], r["scheme"]): r["ms"] for r in rows}
     missing = [(m, s) for m in modes for s in shapes if (m, s, baseline) not in ms]
-    _require("render_layer_speed", "rows", not missing, f"lack the baseline {baseline!r} for {missing}")
-    fig, axes = _new_figure((max(FIGSIZE[0], PANEL_INCHES * 1.6 * len(modes)), 4.4), ncols=len(modes))
+    _require("render_layer_speed", "rows", not missing,
+             f"lack the baseline {baseline!r} for {missing}")
+    fig, axes = _new_figure((max(FIGSIZE[0], PANEL_INCHES * 1.6 * len(modes)), 4.4),
+                            ncols=len(modes))
     ratios = [ms[(m, s, baseline)] / v for (m, s, scheme), v in ms.items() if scheme != baseline]
-    ylim = (min(ratios + [1.0]) / SPEED_MARGIN, max(ratios + [1.0]) * SPEED_MARGIN)  # one scale for all panels
+    # one scale for all panels
+    ylim = (min(ratios + [1.0]) / SPEED_MARGIN, max(ratios + [1.0]) * SPEED_MARGIN)
     width = 0.8 / max(len(schemes), 1)
     for ax, mode in zip(axes, modes, strict=True):
         for j, scheme in enumerate(schemes):
@@ -178,7 +201,8 @@ def render_layer_speed(rows: Sequence[Mapping], baseline: str = "fp32") -> Figur
         ax.axhline(1.0, **REFERENCE_STYLE)
         ax.set_xticks(range(len(shapes)), [_two_lines(s) for s in shapes], fontsize=8)
         ax.set(yscale="log", ylim=ylim, ylabel=f"speed-up over {baseline} (log)", title=f"{mode}")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))  # 0.2x rather than 2x10^-1
+        # 0.2x rather than 2x10^-1
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.legend(loc="outside lower center", ncols=min(len(schemes), 4), fontsize=8)
@@ -186,14 +210,16 @@ def render_layer_speed(rows: Sequence[Mapping], baseline: str = "fp32") -> Figur
 
 
 def _two_lines(label: str) -> str:
-    """"real down 576x1536" -> "real down\n576x1536": long tick labels side by side would overlap."""
+    """"real down 576x1536" -> "real down\n576x1536":
+    long tick labels side by side would overlap."""
     head, _, tail = label.rpartition(" ")
     return f"{head}\n{tail}" if head else label
 
 
 def render_bytes_breakdown(breakdowns: Mapping[str, Mapping[str, int]], model_name: str) -> Figure:
     """Stacked horizontal bars, one per scheme: the model's weight MiB by kind
-    (``engine.loading.quantization.weight_bytes_breakdown``), so what stayed in floating point shows."""
+    (``engine.loading.quantization.weight_bytes_breakdown``),
+    so what stayed in floating point shows."""
     _require("render_bytes_breakdown", "breakdowns", bool(breakdowns), "is empty")
     fig, (ax,) = _new_figure((FIGSIZE[0], 0.55 * len(breakdowns) + 1.6))
     total_max = max(sum(b.values()) for b in breakdowns.values()) / BYTES_PER_MIB
@@ -201,24 +227,26 @@ def render_bytes_breakdown(breakdowns: Mapping[str, Mapping[str, int]], model_na
         left = 0.0
         for kind, color in KIND_COLORS.items():
             mib = parts.get(kind, 0) / BYTES_PER_MIB
-            ax.barh(i, mib, left=left, color=color, gid=f"bar:{scheme}:{kind}", label=kind if i == 0 else None)
+            ax.barh(i, mib, left=left, color=color, gid=f"bar:{scheme}:{kind}",
+                    label=kind if i == 0 else None)
             left += mib
         ax.text(left, i, f" {left:.1f} MiB", va="center", fontsize=8)
     ax.set_yticks(range(len(breakdowns)), list(breakdowns))
     ax.invert_yaxis()
-    ax.set(xlim=(0, total_max * 1.25), xlabel="weight MiB", title=f"{model_name}: weight bytes by kind")
+    ax.set(xlim=(0, total_max * 1.25), xlabel="weight MiB",
+           title=f"{model_name}: weight bytes by kind")
     ax.legend(loc="lower right", fontsize=8)
     return fig
 
 
-# ---- quality ----------------------------------------------------------------------------------------
+# ---- quality -------------------------------------------------------------------------------------
 
 
 def render_quality(rows: Sequence[Mapping], reference: str = "fp32") -> Figure:
     """One panel per (task, metric), one bar per scheme; the ``reference`` scheme's value dashed.
 
-    Each row: {"scheme", "task", "metric", "value"} (``engine.lab.eval.evaluate_model`` rows plus the
-    scheme). Lower is better for perplexity and false refusals, higher for the rest."""
+    Each row: {"scheme", "task", "metric", "value"} (``engine.lab.eval.evaluate_model`` rows plus
+    the scheme). Lower is better for perplexity and false refusals, higher for the rest."""
     _require("render_quality", "rows", bool(rows), "is empty; evaluate at least one scheme")
     panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
@@ -245,7 +273,7 @@ def render_quality(rows: Sequence[Mapping], reference: str = "fp32") -> Figure:
     return fig
 
 
-# ---- KV int8 ------------------------------------------------------------------------------------------
+# ---- KV int8 -------------------------------------------------------------------------------------
 
 
 def render_kv_int8(bytes_per_token: Mapping[str, Mapping[str, float]],
@@ -276,5 +304,6 @@ def render_kv_int8(bytes_per_token: Mapping[str, Mapping[str, float]],
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8, loc="upper left")
     axes[0].set_title("int8 K/V: a quarter of fp32, plus one scale per token and head", fontsize=9)
-    axes[1].set_title("...but the torch path dequantizes before it attends" + backend_note, fontsize=9)
+    axes[1].set_title("...but the torch path dequantizes before it attends" + backend_note,
+                      fontsize=9)
     return fig

@@ -1,9 +1,13 @@
-"""Figures for chapter 01: what sampling does to the next-token distribution, and what each step costs.
+"""Figures for chapter 01: what sampling does to the next-token distribution,
+and what each step costs.
 
-    render_sampling_stages   the distribution after each stage: raw -> temperature -> top-k -> top-p -> min-p
+    render_sampling_stages   the distribution after each stage:
+                             raw -> temperature -> top-k -> top-p -> min-p
     sampling_widget          sliders for those four knobs, redrawing render_sampling_stages
-    render_cumulative_mass   how many of the most likely tokens hold the probability (the tail's length)
-    render_loop_trace        the loop step by step: each step's top candidates and the token it chose
+    render_cumulative_mass   how many of the most likely tokens hold the probability
+                             (the tail's length)
+    render_loop_trace        the loop step by step:
+                             each step's top candidates and the token it chose
     render_step_times        per-step time against sequence length (the naive loop's growing cost)
 
 Every function returns a closed matplotlib Figure: nothing pops up by itself, a notebook shows it by
@@ -23,23 +27,28 @@ from matplotlib.patches import Rectangle
 from engine.sampling import STAGES, TOP_K_OFF, SamplingParams, probs_after_each_stage, top_p_filter
 from engine.tokenizer import Tokenizer
 
-TOP_SHOWN = 20  # tokens per panel: enough to see the tail the filters cut, few enough to read the labels
+# tokens per panel: enough to see the tail the filters cut, few enough to read the labels
+TOP_SHOWN = 20
 TOP_CANDIDATES = 5  # candidates per step in the loop trace
-PANELS = ("raw", *STAGES)  # raw softmax first, then the filter stages in the order the sampler applies them
+# raw softmax first, then the filter stages in the order the sampler applies them
+PANELS = ("raw", *STAGES)
 KEPT_COLOR = "tab:blue"
 DROPPED_COLOR = "0.85"  # light grey: the ghost of a token a filter removed
 CHOSEN_COLOR = "tab:orange"
-SMOOTH_STEPS = 9  # running-median window: one stray slow step (a GC pause, a busy core) cannot bend the line
+# running-median window: one stray slow step (a GC pause, a busy core) cannot bend the line
+SMOOTH_STEPS = 9
 MS_PER_S = 1000.0
-TEMPERATURE_SLIDER_MAX = 2.0  # above 2 the distribution of a small model is nearly flat: nothing new to see
+# above 2 the distribution of a small model is nearly flat: nothing new to see
+TEMPERATURE_SLIDER_MAX = 2.0
 SPACE, NEWLINE = "\u2423", "\u21b5"  # visible stand-ins, so " the" and "the" do not look alike
 
 
-# ---- token labels ----------------------------------------------------------------------------------
+# ---- token labels --------------------------------------------------------------------------------
 
 
 def token_label(tokenizer: Tokenizer | None, token_id: int) -> str:
-    """How we print a token: its text with spaces and newlines made visible; `#id` without a tokenizer."""
+    """How we print a token: its text with spaces and newlines made visible;
+    `#id` without a tokenizer."""
     if tokenizer is None:
         return f"#{token_id}"
     text = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -48,7 +57,7 @@ def token_label(tokenizer: Tokenizer | None, token_id: int) -> str:
     return text.replace(" ", SPACE).replace("\n", NEWLINE)
 
 
-# ---- the sampling stages ----------------------------------------------------------------------------
+# ---- the sampling stages -------------------------------------------------------------------------
 
 
 def _stage_title(stage: str, params: SamplingParams) -> str:
@@ -65,8 +74,10 @@ def _stage_title(stage: str, params: SamplingParams) -> str:
     return "min-p off" if params.min_p <= 0 else f"min-p {params.min_p:g}"
 
 
-def _draw_stage(ax, probs: torch.Tensor, before: torch.Tensor, shown: torch.Tensor, title: str) -> None:
-    """One panel: kept tokens as coloured bars; dropped ones as grey ghosts of their earlier height."""
+def _draw_stage(ax, probs: torch.Tensor, before: torch.Tensor, shown: torch.Tensor,
+                title: str) -> None:
+    """One panel: kept tokens as coloured bars;
+    dropped ones as grey ghosts of their earlier height."""
     y = np.arange(len(shown))
     kept = probs[shown] > 0  # [top]
     ghost = torch.where(kept, torch.zeros_like(before[shown]), before[shown])
@@ -83,11 +94,11 @@ def render_sampling_stages(logits_1d: torch.Tensor, params: SamplingParams,
                            tokenizer: Tokenizer | None = None, top: int = TOP_SHOWN) -> Figure:
     """Bar charts of the next-token distribution after each sampling stage, side by side.
 
-    We show the `top` most likely tokens of the raw distribution (no stage reorders them: temperature
-    keeps the order and the filters only cut its tail), the most likely at the top. In each panel a
-    blue bar is a kept token's probability after that stage (the survivors are renormalized, so they
-    grow); a grey hatched bar is a token dropped by then, drawn at its height before the filters
-    (after temperature; the raw height when greedy).
+    We show the `top` most likely tokens of the raw distribution (no stage reorders them:
+    temperature keeps the order and the filters only cut its tail), the most likely at the top. In
+    each panel a blue bar is a kept token's probability after that stage (the survivors are
+    renormalized, so they grow); a grey hatched bar is a token dropped by then, drawn at its height
+    before the filters (after temperature; the raw height when greedy).
     """
     logits_1d = logits_1d.detach().float().cpu().reshape(-1)  # [V]
     stages = probs_after_each_stage(logits_1d, params)
@@ -113,23 +124,26 @@ def render_sampling_stages(logits_1d: torch.Tensor, params: SamplingParams,
     return fig
 
 
-def sampling_widget(logits_1d: torch.Tensor, tokenizer: Tokenizer | None = None, top: int = TOP_SHOWN,
-                    params: SamplingParams | None = None):
+def sampling_widget(logits_1d: torch.Tensor, tokenizer: Tokenizer | None = None,
+                    top: int = TOP_SHOWN, params: SamplingParams | None = None):
     """Sliders for temperature, top-k, top-p and min-p that redraw `render_sampling_stages`.
 
-    Needs ipywidgets (imported here, so the rest of the module works without it). Returns the widget;
-    a notebook shows it with `display(...)`. top_k 0 means off, temperature 0 means greedy.
+    Needs ipywidgets (imported here, so the rest of the module works without it). Returns the
+    widget; a notebook shows it with `display(...)`. top_k 0 means off, temperature 0 means greedy.
     """
     import ipywidgets as widgets
     from IPython.display import display
 
     start = params or SamplingParams(temperature=1.0)
     sliders = {
-        "temperature": widgets.FloatSlider(value=start.temperature, min=0.0, max=TEMPERATURE_SLIDER_MAX,
-                                           step=0.05, description="temperature"),
+        "temperature": widgets.FloatSlider(value=start.temperature, min=0.0,
+                                           max=TEMPERATURE_SLIDER_MAX, step=0.05,
+                                           description="temperature"),
         "top_k": widgets.IntSlider(value=max(start.top_k, 0), min=0, max=top, description="top_k"),
-        "top_p": widgets.FloatSlider(value=start.top_p, min=0.05, max=1.0, step=0.05, description="top_p"),
-        "min_p": widgets.FloatSlider(value=start.min_p, min=0.0, max=1.0, step=0.01, description="min_p"),
+        "top_p": widgets.FloatSlider(value=start.top_p, min=0.05, max=1.0, step=0.05,
+                                     description="top_p"),
+        "min_p": widgets.FloatSlider(value=start.min_p, min=0.0, max=1.0, step=0.01,
+                                     description="min_p"),
     }
 
     def redraw(**knobs) -> None:
@@ -140,20 +154,24 @@ def sampling_widget(logits_1d: torch.Tensor, tokenizer: Tokenizer | None = None,
     return widgets.VBox([widgets.HBox(controls[:2]), widgets.HBox(controls[2:]), figure])
 
 
-# ---- how long is the tail? ---------------------------------------------------------------------------
+# ---- how long is the tail? -----------------------------------------------------------------------
 
 
 def tokens_to_cover(logits_1d: torch.Tensor, mass: float) -> int:
     """How many of the most likely tokens it takes to hold probability `mass`: what top-p=mass keeps
-    (we ask the sampler's own `top_p_filter`, so the boundary token and ties count as it counts them)."""
+    (we ask the sampler's own `top_p_filter`,
+    so the boundary token and ties count as it counts them)."""
     if not 0 < mass <= 1:
-        raise ValueError(f"mass={mass!r} must be in (0, 1]: a share of the probability, as top_p is")
+        raise ValueError(f"mass={mass!r} must be in (0, 1]: "
+                         "a share of the probability, as top_p is")
     logits_1d = logits_1d.detach().float().cpu().reshape(-1)  # [V]
     return int(torch.isfinite(top_p_filter(logits_1d, mass)).sum())
 
 
-def render_cumulative_mass(logits: Mapping[str, torch.Tensor], masses: Sequence[float] = (0.8, 0.95)) -> Figure:
-    """The probability held by the k most likely tokens, against k (log scale), one line per distribution.
+def render_cumulative_mass(logits: Mapping[str, torch.Tensor],
+                           masses: Sequence[float] = (0.8, 0.95)) -> Figure:
+    """The probability held by the k most likely tokens, against k (log scale),
+    one line per distribution.
 
         mass ^            ______________ a peaked, short-tailed distribution
          1.0 |     ____.-'       ...---'' a long tail: hundreds of tokens to reach 0.95
@@ -167,14 +185,15 @@ def render_cumulative_mass(logits: Mapping[str, torch.Tensor], masses: Sequence[
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (label, logits_1d) in enumerate(logits.items()):
         logits_1d = logits_1d.detach().float().cpu().reshape(-1)  # [V]
-        cumulative = torch.softmax(logits_1d, dim=-1).sort(descending=True).values.cumsum(0).numpy()  # [V]
+        cumulative = (torch.softmax(logits_1d, dim=-1)
+                      .sort(descending=True).values.cumsum(0).numpy())  # [V]
         ax.plot(np.arange(1, len(cumulative) + 1), cumulative, color=f"C{i}", linewidth=2,
                 label=f"{label} (vocabulary {len(cumulative):,})")
         for mass in masses:
             k = tokens_to_cover(logits_1d, mass)
             ax.plot([k], [cumulative[k - 1]], "o", color=f"C{i}")
-            ax.annotate(f"top-p {mass:g}: {k:,}", (k, cumulative[k - 1]), textcoords="offset points",
-                        xytext=(6, -12), fontsize=8, color=f"C{i}")
+            ax.annotate(f"top-p {mass:g}: {k:,}", (k, cumulative[k - 1]),
+                        textcoords="offset points", xytext=(6, -12), fontsize=8, color=f"C{i}")
     ax.set_xscale("log")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("k: the k most likely tokens (log scale)")
@@ -187,11 +206,12 @@ def render_cumulative_mass(logits: Mapping[str, torch.Tensor], masses: Sequence[
     return fig
 
 
-# ---- the loop, step by step -------------------------------------------------------------------------
+# ---- the loop, step by step ----------------------------------------------------------------------
 
 
-def render_loop_trace(probs_per_step: Sequence[torch.Tensor] | torch.Tensor, chosen_ids: Sequence[int],
-                      tokenizer: Tokenizer | None = None, top: int = TOP_CANDIDATES) -> Figure:
+def render_loop_trace(probs_per_step: Sequence[torch.Tensor] | torch.Tensor,
+                      chosen_ids: Sequence[int], tokenizer: Tokenizer | None = None,
+                      top: int = TOP_CANDIDATES) -> Figure:
     """One row per generation step: the `top` most likely next tokens, and the token the loop chose.
 
         step 0 | '4' 0.81 | '3' 0.07 | ... || chosen '4' 0.81
@@ -212,26 +232,29 @@ def render_loop_trace(probs_per_step: Sequence[torch.Tensor] | torch.Tensor, cho
     for s, (ids, chosen) in enumerate(zip(top_i.tolist(), chosen_ids, strict=True)):
         for r, tid in enumerate([*ids, int(chosen)]):
             ink = "white" if grid[s, r] > 0.6 else "black"
-            ax.text(r, s, f"{token_label(tokenizer, tid)}\n{grid[s, r]:.2f}", ha="center", va="center",
-                    fontsize=8, color=ink)
+            ax.text(r, s, f"{token_label(tokenizer, tid)}\n{grid[s, r]:.2f}", ha="center",
+                    va="center", fontsize=8, color=ink)
         if int(chosen) in ids:
             r = ids.index(int(chosen))
-            frame = Rectangle((r - 0.5, s - 0.5), 1, 1, fill=False, edgecolor=CHOSEN_COLOR, linewidth=2.5)
+            frame = Rectangle((r - 0.5, s - 0.5), 1, 1, fill=False, edgecolor=CHOSEN_COLOR,
+                              linewidth=2.5)
             ax.add_patch(frame)
     ax.axvline(top - 0.5, color="black", linewidth=2)
     ax.set_xticks(np.arange(top + 1), [f"#{r + 1}" for r in range(top)] + ["chosen"])
     ax.set_yticks(np.arange(len(grid)), [f"step {s}" for s in range(len(grid))])
-    ax.set_title("Each step: the most likely next tokens (probability), and the one the loop picked")
+    ax.set_title("Each step: the most likely next tokens (probability), "
+                 "and the one the loop picked")
     fig.tight_layout()
     plt.close(fig)
     return fig
 
 
-# ---- what each step costs ---------------------------------------------------------------------------
+# ---- what each step costs ------------------------------------------------------------------------
 
 
 def running_median(values: Sequence[float], window: int = SMOOTH_STEPS) -> np.ndarray:
-    """Median over a centred window that shrinks at the ends, so a straight line stays exactly straight."""
+    """Median over a centred window that shrinks at the ends,
+    so a straight line stays exactly straight."""
     values = np.asarray(values, dtype=float)
     n, half = len(values), window // 2
     out = np.empty(n)
@@ -242,7 +265,8 @@ def running_median(values: Sequence[float], window: int = SMOOTH_STEPS) -> np.nd
 
 
 def step_time_slope_ms(step_times_s: Sequence[float]) -> float:
-    """How many milliseconds each extra token of sequence adds to a step (fit to the smoothed curve).
+    """How many milliseconds each extra token of sequence adds to a step
+    (fit to the smoothed curve).
 
     Step 0 (the prompt's prefill) is left out: it is a different kind of step in a cached loop.
     """
@@ -252,12 +276,12 @@ def step_time_slope_ms(step_times_s: Sequence[float]) -> float:
     return float(np.polyfit(np.arange(len(smooth)), smooth, 1)[0])
 
 
-def render_step_times(step_times_s: Sequence[float] | Mapping[str, Sequence[float]], label: str = "naive",
-                      prompt_len: int | None = None) -> Figure:
+def render_step_times(step_times_s: Sequence[float] | Mapping[str, Sequence[float]],
+                      label: str = "naive", prompt_len: int | None = None) -> Figure:
     """Time of each generation step against the length of the sequence at that step.
 
-    step_times_s: one run's step times (named `label`), or {label: step times} for several runs in one
-    plot. With `prompt_len`, the x axis is the sequence length (step i runs with prompt_len + i
+    step_times_s: one run's step times (named `label`), or {label: step times} for several runs in
+    one plot. With `prompt_len`, the x axis is the sequence length (step i runs with prompt_len + i
     tokens); without, it is the step number. Dots are the measured steps, the line their running
     median; the legend gives each run's slope (ms per extra token, step 0 excluded).
     """
@@ -271,7 +295,8 @@ def render_step_times(step_times_s: Sequence[float] | Mapping[str, Sequence[floa
         ax.plot(x, y, ".", color=color, alpha=0.35)
         slope = f": {step_time_slope_ms(times):+.3f} ms per extra token" if len(times) >= 3 else ""
         ax.plot(x, running_median(y), "-", color=color, linewidth=2, label=f"{name}{slope}")
-    ax.set_xlabel("tokens in the sequence at this step" if prompt_len else "step (tokens generated so far)")
+    ax.set_xlabel("tokens in the sequence at this step" if prompt_len
+                  else "step (tokens generated so far)")
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
     ax.set_title("Time per generation step (dots: measured; line: running median)")

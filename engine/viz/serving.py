@@ -1,25 +1,28 @@
 """Figures for chapter 09: serving metrics and load, drawn from plain data.
 
-    render_request_timeline       each request's life on one clock (queued, waiting for its first token,
-                                  streaming its tokens); one request annotated with queue, TTFT, ITL,
-                                  TPOT and E2E
-    render_percentiles            a run's latencies sorted from best to worst: mean, P50 and P99 marked,
-                                  and the P99 / P50 gap that one average hides
-    render_buckets                P50 and P99 per prompt-length bucket, one bar per workload: long prompts
-                                  that slow down short ones show up in the short bucket
-    render_arrivals               arrival processes (Poisson, bursty gamma, steady) as ticks, and how many
-                                  requests land in each window
-    render_capacity_curve         throughput and goodput against the offered request rate, P50/P99 TTFT and
-                                  TPOT against their SLO, the knee marked
-    render_goodput_vs_throughput  the same sweep as one path: throughput keeps growing after goodput falls
+    render_request_timeline       each request's life on one clock (queued, waiting for its first
+                                  token, streaming its tokens); one request annotated with queue,
+                                  TTFT, ITL, TPOT and E2E
+    render_percentiles            a run's latencies sorted from best to worst: mean, P50 and P99
+                                  marked, and the P99 / P50 gap that one average hides
+    render_buckets                P50 and P99 per prompt-length bucket, one bar per workload: long
+                                  prompts that slow down short ones show up in the short bucket
+    render_arrivals               arrival processes (Poisson, bursty gamma, steady) as ticks, and
+                                  how many requests land in each window
+    render_capacity_curve         throughput and goodput against the offered request rate, P50/P99
+                                  TTFT and TPOT against their SLO, the knee marked
+    render_goodput_vs_throughput  the same sweep as one path:
+                                  throughput keeps growing after goodput falls
     capacity_knee                 which rate of a sweep is the knee (the rule is in its docstring)
-    render_overload               chapter 10: goodput, P99 TTFT, share turned away against the offered load,
-                                  with and without overload protection; the waiting queue over time
+    render_overload               chapter 10: goodput, P99 TTFT, share turned away against the
+                                  offered load, with and without overload protection; the waiting
+                                  queue over time
 
-The inputs are plain data: `engine.companions.metrics.RequestTiming`s (from a server's `Trace` through
-`requests_from_trace`, or from a client through `BenchRun.timings()`), lists of seconds, and the result
-dicts of `engine.serving.bench_serve.benchmark` (vLLM's keys). Every number is computed by `engine/companions/metrics.py`
-(`nearest_rank`, `mean`); this file only draws. How to read one request's timeline::
+The inputs are plain data: `engine.companions.metrics.RequestTiming`s (from a server's `Trace`
+through `requests_from_trace`, or from a client through `BenchRun.timings()`), lists of seconds, and
+the result dicts of `engine.serving.bench_serve.benchmark` (vLLM's keys). Every number is computed
+by `engine/companions/metrics.py` (`nearest_rank`, `mean`); this file only draws. How to read one
+request's timeline::
 
     arrival   scheduled          token 0   token 1   token 2        token 3 = finish
       |░░░░░░░░░░|▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓|---------|---------|--------------|
@@ -27,12 +30,13 @@ dicts of `engine.serving.bench_serve.benchmark` (vLLM's keys). Every number is c
       |<------------ TTFT --------->|
       |<------------------------------- E2E ------------------------------------>|
 
-Artists carry a `gid`: request r's spans are "queued:<r>", "first_token_wait:<r>", "streaming:<r>" and
-its token ticks "tokens:<r>"; the annotated request's brackets "bracket:queue", "bracket:ttft",
-"bracket:itl", "bracket:tpot", "bracket:e2e"; a percentile plot's lines "sorted:<name>", "mean:<name>", "p50:<name>",
-"p99:<name>"; bars "p50:<workload>:<bucket>" and "p99:<workload>:<bucket>"; arrival ticks
-"arrivals:<name>" and window bars "window:<name>:<k>"; capacity lines "throughput", "goodput",
-"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "slo:ttft", "slo:tpot", "knee"; the path "path".
+Artists carry a `gid`: request r's spans are "queued:<r>", "first_token_wait:<r>", "streaming:<r>"
+and its token ticks "tokens:<r>"; the annotated request's brackets "bracket:queue", "bracket:ttft",
+"bracket:itl", "bracket:tpot", "bracket:e2e"; a percentile plot's lines "sorted:<name>",
+"mean:<name>", "p50:<name>", "p99:<name>"; bars "p50:<workload>:<bucket>" and
+"p99:<workload>:<bucket>"; arrival ticks "arrivals:<name>" and window bars "window:<name>:<k>";
+capacity lines "throughput", "goodput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "slo:ttft",
+"slo:tpot", "knee"; the path "path".
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ from engine.viz._figure import fail as _fail
 from engine.viz._figure import new_figure as _new_figure
 
 MS = 1e3  # seconds -> milliseconds
-KNEE_FRACTION = 0.9  # the knee: the last rate at which at least 90% of the served requests met the SLO
-LOG_SCALE_RATIO = 20  # latencies spanning more than this factor get a log axis (else a linear one from 0)
-INF_POSITION = 2.0  # an infinite rate is drawn at this multiple of the highest finite rate (labelled "inf")
+# the knee: the last rate at which at least 90% of the served requests met the SLO
+KNEE_FRACTION = 0.9
+# latencies spanning more than this factor get a log axis (else a linear one from 0)
+LOG_SCALE_RATIO = 20
+# an infinite rate is drawn at this multiple of the highest finite rate (labelled "inf")
+INF_POSITION = 2.0
 ROW_HEIGHT = 0.6  # a timeline bar; rows are 1 apart
 ROW_INCHES = 0.42  # figure height per timeline row
 MAX_ROWS = 40  # a timeline of more requests stops being readable: we refuse and say so
@@ -64,7 +71,7 @@ WORKLOAD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple
 
 
 
-# ---- one request's life ----------------------------------------------------------------------------------
+# ---- one request's life --------------------------------------------------------------------------
 
 
 def _spans(r: RequestTiming) -> list[tuple[str, float, float]]:
@@ -84,7 +91,8 @@ def _spans(r: RequestTiming) -> list[tuple[str, float, float]]:
 def _draw_request_row(ax, y: float, r: RequestTiming, t0: float) -> None:
     for kind, start, end in _spans(r):
         ax.add_patch(Rectangle((start - t0, y - ROW_HEIGHT / 2), max(end - start, 0.0), ROW_HEIGHT,
-                               facecolor=COLORS[kind], edgecolor="none", gid=f"{kind}:{r.request_id}"))
+                               facecolor=COLORS[kind], edgecolor="none",
+                               gid=f"{kind}:{r.request_id}"))
     if r.token_times:
         ax.vlines([t - t0 for t in r.token_times], y - ROW_HEIGHT / 2, y + ROW_HEIGHT / 2,
                   color=COLORS["tokens"], linewidth=1.0, gid=f"tokens:{r.request_id}")
@@ -94,20 +102,23 @@ def _draw_request_row(ax, y: float, r: RequestTiming, t0: float) -> None:
 def _bracket(ax, x0: float, x1: float, y: float, label: str, gid: str) -> None:
     """A double-headed arrow from x0 to x1 at height y, its label above the middle."""
     ax.annotate("", xy=(x0, y), xytext=(x1, y), gid=gid,
-                arrowprops={"arrowstyle": "<->", "color": "black", "lw": 1.1, "shrinkA": 0, "shrinkB": 0})
+                arrowprops={"arrowstyle": "<->", "color": "black", "lw": 1.1, "shrinkA": 0,
+                            "shrinkB": 0})
     ax.text((x0 + x1) / 2, y + 0.04, label, ha="center", va="bottom", fontsize=8,
             bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 0.5})
 
 
 def _annotate_request(ax, r: RequestTiming, t0: float) -> None:
-    """Row 0 of `ax` is request r alone: the longest ITL above its bar; queue (when known), TTFT, the
-    decode part with its TPOT, and E2E in brackets stacked below it."""
+    """Row 0 of `ax` is request r alone: the longest ITL above its bar; queue (when known), TTFT,
+    the decode part with its TPOT, and E2E in brackets stacked below it."""
     a, level = r.arrival_time - t0, -ROW_HEIGHT / 2 - BRACKET_GAP
     if r.first_scheduled_time is not None:
-        _bracket(ax, a, r.first_scheduled_time - t0, level, f"queue {r.queue_s * MS:.0f} ms", "bracket:queue")
+        _bracket(ax, a, r.first_scheduled_time - t0, level, f"queue {r.queue_s * MS:.0f} ms",
+                 "bracket:queue")
         level -= BRACKET_GAP
     if r.token_times:
-        _bracket(ax, a, r.token_times[0] - t0, level, f"TTFT {r.ttft_s * MS:.0f} ms", "bracket:ttft")
+        _bracket(ax, a, r.token_times[0] - t0, level, f"TTFT {r.ttft_s * MS:.0f} ms",
+                 "bracket:ttft")
         level -= BRACKET_GAP
     gaps = r.itl_s
     if gaps:
@@ -136,19 +147,21 @@ def _timeline_legend(ax) -> None:
 def render_request_timeline(requests: Sequence[RequestTiming], annotate: int | None = 0,
                             title: str = "") -> Figure:
     """One row per request (top to bottom, in the order given) on one clock that starts at the first
-    arrival: grey while queued (only known from a server's trace), orange until its first token, pale
-    blue while it streams, a blue tick per token. With `annotate` (an index; None for none) a panel on
-    top shows that request alone with brackets for its queue time, TTFT, longest inter-token gap, the
-    decode part with its TPOT, and its E2E."""
+    arrival: grey while queued (only known from a server's trace), orange until its first token,
+    pale blue while it streams, a blue tick per token. With `annotate` (an index; None for none) a
+    panel on top shows that request alone with brackets for its queue time, TTFT, longest
+    inter-token gap, the decode part with its TPOT, and its E2E."""
     func = "render_request_timeline"
     if not requests:
         _fail(func, "requests", "is empty: give at least one RequestTiming")
     if len(requests) > MAX_ROWS:
-        _fail(func, "requests", f"has {len(requests)} requests; draw at most {MAX_ROWS} (a slice of the run)")
+        _fail(func, "requests",
+              f"has {len(requests)} requests; draw at most {MAX_ROWS} (a slice of the run)")
     if annotate is not None and not 0 <= annotate < len(requests):
         _fail(func, "annotate", f"={annotate} must be an index in [0, {len(requests) - 1}] or None")
     t0 = min(r.arrival_time for r in requests)
-    ends = [t for r in requests for t in (r.finish_time, *r.token_times[-1:], r.arrival_time) if t is not None]
+    ends = [t for r in requests for t in (r.finish_time, *r.token_times[-1:], r.arrival_time)
+            if t is not None]
     rows_inches = 1.2 + ROW_INCHES * len(requests)
     if annotate is None:
         fig, axes = _new_figure((11.0, rows_inches))
@@ -163,7 +176,8 @@ def render_request_timeline(requests: Sequence[RequestTiming], annotate: int | N
         one.set_title(f"one request, measured: {r.output_tokens} tokens", fontsize=9, loc="left")
     for i, r in enumerate(requests):
         _draw_request_row(ax, -i, r, t0)
-    ax.set_yticks([-i for i in range(len(requests))], [str(r.request_id)[:18] for r in requests], fontsize=8)
+    ax.set_yticks([-i for i in range(len(requests))], [str(r.request_id)[:18] for r in requests],
+                  fontsize=8)
     ax.set_ylim(-len(requests) + 0.4, 0.6)
     ax.set_xlim(0, (max(ends) - t0) * 1.02 or 1.0)
     if annotate is not None:  # the annotated request zoomed to its own life, on the same clock
@@ -177,21 +191,23 @@ def render_request_timeline(requests: Sequence[RequestTiming], annotate: int | N
     return fig
 
 
-# ---- percentiles -----------------------------------------------------------------------------------------
+# ---- percentiles ---------------------------------------------------------------------------------
 
 
 def _finite(func: str, name: str, values: Sequence[float]) -> list[float]:
     kept = [float(v) for v in values if not math.isnan(v)]
     if not kept:
-        _fail(func, "samples", f"[{name!r}] holds no measured value: give at least one latency in seconds")
+        _fail(func, "samples",
+              f"[{name!r}] holds no measured value: give at least one latency in seconds")
     return kept
 
 
 def render_percentiles(samples: Mapping[str, Sequence[float]], title: str = "") -> Figure:
-    """One panel per metric (e.g. {"TTFT": [...], "TPOT": [...]}, seconds): its values sorted from best
-    to worst against their percentile rank, with the mean, P50 and P99 (nearest rank) as lines and the
-    P99 / P50 ratio written in. A flat curve means everybody waited about as long; a hockey stick
-    means a typical user is fine and an unlucky few are not, which the mean alone never says."""
+    """One panel per metric (e.g. {"TTFT": [...], "TPOT": [...]}, seconds): its values sorted from
+    best to worst against their percentile rank, with the mean, P50 and P99 (nearest rank) as lines
+    and the P99 / P50 ratio written in. A flat curve means everybody waited about as long; a hockey
+    stick means a typical user is fine and an unlucky few are not, which the mean alone never
+    says."""
     func = "render_percentiles"
     if not samples:
         _fail(func, "samples", "is empty: give {metric name: [seconds, ...]}")
@@ -199,31 +215,35 @@ def render_percentiles(samples: Mapping[str, Sequence[float]], title: str = "") 
     for ax, (name, values) in zip(axes[0], samples.items(), strict=True):
         ms = sorted(v * MS for v in _finite(func, name, values))
         ranks = [100 * (k + 1) / len(ms) for k in range(len(ms))]
-        ax.step(ranks, ms, where="post", color="0.25", gid=f"sorted:{name}", label=f"{len(ms)} values, sorted")
+        ax.step(ranks, ms, where="post", color="0.25", gid=f"sorted:{name}",
+                label=f"{len(ms)} values, sorted")
         ax.plot(ranks, ms, ".", color="0.25", markersize=3)
         p50, p99, avg = nearest_rank(ms, 50), nearest_rank(ms, 99), mean(ms)
-        for key, y, label in (("mean", avg, f"mean {avg:.0f} ms"), ("p50", p50, f"P50 {p50:.0f} ms"),
-                              ("p99", p99, f"P99 {p99:.0f} ms")):
-            ax.axhline(y, color=COLORS[key], linestyle="--" if key == "mean" else "-", linewidth=1.2,
-                       gid=f"{key}:{name}", label=label)
+        for key, y, label in (("mean", avg, f"mean {avg:.0f} ms"),
+                              ("p50", p50, f"P50 {p50:.0f} ms"), ("p99", p99, f"P99 {p99:.0f} ms")):
+            ax.axhline(y, color=COLORS[key], linestyle="--" if key == "mean" else "-",
+                       linewidth=1.2, gid=f"{key}:{name}", label=label)
         ratio = p99 / p50 if p50 > 0 else math.inf
-        ax.set(xlabel="percentile rank (% of values at or below)", ylabel=f"{name} (ms)", xlim=(0, 101))
+        ax.set(xlabel="percentile rank (% of values at or below)", ylabel=f"{name} (ms)",
+               xlim=(0, 101))
         ax.set_ylim(bottom=0)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8, frameon=False)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8,
+                  frameon=False)
         ax.set_title(f"{name}: P99 / P50 = {ratio:.1f}x", fontsize=10)
     if title:
         fig.suptitle(title, fontsize=11)
     return fig
 
 
-# ---- buckets -----------------------------------------------------------------------------------------------
+# ---- buckets -------------------------------------------------------------------------------------
 
 
 def render_buckets(groups: Mapping[str, Mapping[str, Sequence[float]]], metric: str = "TTFT",
                    title: str = "") -> Figure:
     """P50 (left) and P99 (right) of `metric` per bucket, one bar per workload, e.g.
     {"short prompts only": {"[0, 64)": [s, ...], ...}, "mixed with long ones": {...}} (seconds). The
-    buckets are drawn in the order of the first workload; an empty bucket gets no bar, only "n=0"."""
+    buckets are drawn in the order of the first workload;
+    an empty bucket gets no bar, only "n=0"."""
     func = "render_buckets"
     if not groups:
         _fail(func, "groups", "is empty: give {workload: {bucket: [seconds, ...]}}")
@@ -242,8 +262,8 @@ def render_buckets(groups: Mapping[str, Mapping[str, Sequence[float]]], metric: 
                     ax.bar(x, h, width * 0.92, color=WORKLOAD_COLORS[w % len(WORKLOAD_COLORS)],
                            gid=f"p{q}:{workload}:{bucket}", label=workload if b == 0 else None)
                     ax.text(x, h, f"{h:.0f}", ha="center", va="bottom", fontsize=7)
-                ax.text(x, 0, f"n={len(values)}", ha="center", va="bottom", fontsize=6.5, color="white"
-                        if values else "0.3", rotation=90)
+                ax.text(x, 0, f"n={len(values)}", ha="center", va="bottom", fontsize=6.5,
+                        color="white" if values else "0.3", rotation=90)
         ax.set_xticks(range(len(buckets)), buckets)
         ax.set(xlabel="prompt length (tokens)", ylabel=f"{metric} P{q} (ms)")
         ax.set_title(f"P{q} {metric} per prompt-length bucket", fontsize=10)
@@ -254,13 +274,15 @@ def render_buckets(groups: Mapping[str, Mapping[str, Sequence[float]]], metric: 
     return fig
 
 
-# ---- arrivals -----------------------------------------------------------------------------------------------
+# ---- arrivals ------------------------------------------------------------------------------------
 
 
-def render_arrivals(processes: Mapping[str, Sequence[float]], window_s: float = 1.0, title: str = "") -> Figure:
-    """One row per arrival process ({"Poisson (burstiness 1)": [send offsets in seconds], ...}): a tick per
-    request along the top, and bars counting the requests that arrive in each `window_s` window. The
-    same mean rate can come as a steady trickle or as bursts that a server must queue."""
+def render_arrivals(processes: Mapping[str, Sequence[float]], window_s: float = 1.0,
+                    title: str = "") -> Figure:
+    """One row per arrival process ({"Poisson (burstiness 1)": [send offsets in seconds], ...}): a
+    tick per request along the top, and bars counting the requests that arrive in each `window_s`
+    window. The same mean rate can come as a steady trickle or as bursts that a server must
+    queue."""
     func = "render_arrivals"
     if not processes:
         _fail(func, "processes", "is empty: give {name: [arrival offsets in seconds]}")
@@ -276,17 +298,21 @@ def render_arrivals(processes: Mapping[str, Sequence[float]], window_s: float = 
     for ax, (name, times) in zip(axes[:, 0], processes.items(), strict=True):
         counts = _window_counts(times, window_s, windows)
         for k, c in enumerate(counts):
-            ax.bar(k * window_s, c, window_s * 0.9, align="edge", color="lightsteelblue", gid=f"window:{name}:{k}")
-        ax.vlines(times, top * 1.08, top * 1.3, color="black", linewidth=0.8, gid=f"arrivals:{name}")
+            ax.bar(k * window_s, c, window_s * 0.9, align="edge", color="lightsteelblue",
+                   gid=f"window:{name}:{k}")
+        ax.vlines(times, top * 1.08, top * 1.3, color="black", linewidth=0.8,
+                  gid=f"arrivals:{name}")
         ax.axhline(len(times) / windows, color="tab:red", linestyle="--", linewidth=1)
         gaps = [b - a for a, b in zip(sorted(times), sorted(times)[1:], strict=False)]
-        cv = std(gaps) / mean(gaps) if gaps and mean(gaps) > 0 else 0.0  # 1 / sqrt(burstiness) in theory
+        # 1 / sqrt(burstiness) in theory
+        cv = std(gaps) / mean(gaps) if gaps and mean(gaps) > 0 else 0.0
         ax.set_ylim(0, top * 1.35)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
         ax.set_ylabel(f"per {window_s:g} s", fontsize=8)
-        ax.set_title(f"{name}: {len(times)} requests, gaps' CV {cv:.2f}, at most {max(counts)} in one window",
-                     fontsize=9, loc="left")
-    axes[-1][0].set_xlabel("seconds (ticks: each arrival; bars: arrivals per window; dashed: the mean)")
+        ax.set_title(f"{name}: {len(times)} requests, gaps' CV {cv:.2f}, "
+                     f"at most {max(counts)} in one window", fontsize=9, loc="left")
+    axes[-1][0].set_xlabel("seconds (ticks: each arrival; bars: arrivals per window; "
+                           "dashed: the mean)")
     if title:
         fig.suptitle(title, fontsize=11)
     return fig
@@ -299,10 +325,10 @@ def _window_counts(times: Sequence[float], window_s: float, windows: int) -> lis
     return counts
 
 
-# ---- the capacity curve ----------------------------------------------------------------------------------
+# ---- the capacity curve --------------------------------------------------------------------------
 
-CAPACITY_KEYS = ("request_rate", "request_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
-                 "p50_tpot_ms", "p99_tpot_ms")
+CAPACITY_KEYS = ("request_rate", "request_throughput", "request_goodput", "p50_ttft_ms",
+                 "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
 
 
 def _sweep(func: str, rows: Sequence[Mapping]) -> list[Mapping]:
@@ -312,16 +338,18 @@ def _sweep(func: str, rows: Sequence[Mapping]) -> list[Mapping]:
     for r in rows:
         missing = [k for k in CAPACITY_KEYS if r.get(k) is None]
         if missing:
-            _fail(func, "rows", f"lack {missing}: run engine.serving.bench_serve.benchmark with an SLO (goodput) and "
-                  "percentiles=(50, 99)")
+            _fail(func, "rows",
+                  f"lack {missing}: run engine.serving.bench_serve.benchmark with an SLO (goodput) "
+                  "and percentiles=(50, 99)")
     return sorted(rows, key=lambda r: r["request_rate"])
 
 
 def capacity_knee(rows: Sequence[Mapping], min_fraction: float = KNEE_FRACTION) -> float | None:
-    """The knee of a rate sweep: going up in offered rate, the last rate at which at least `min_fraction`
-    of the served requests still met the SLO (goodput >= min_fraction x request throughput) with every
-    lower rate passing too. None when even the lowest rate fails (the SLO is out of reach, or the
-    sweep starts too high). rows: `benchmark(...).result` dicts (vLLM's keys), any order."""
+    """The knee of a rate sweep: going up in offered rate, the last rate at which at least
+    `min_fraction` of the served requests still met the SLO (goodput >= min_fraction x request
+    throughput) with every lower rate passing too. None when even the lowest rate fails (the SLO is
+    out of reach, or the sweep starts too high). rows: `benchmark(...).result` dicts (vLLM's keys),
+    any order."""
     if not 0 < min_fraction <= 1:
         _fail("capacity_knee", "min_fraction", f"={min_fraction!r} must be in (0, 1]")
     knee = None
@@ -333,11 +361,12 @@ def capacity_knee(rows: Sequence[Mapping], min_fraction: float = KNEE_FRACTION) 
 
 
 def _positions(rates: Sequence[float]) -> tuple[list[float], list[str]]:
-    """Where each offered rate goes on a log axis (inf: INF_POSITION x the highest finite) and its label."""
+    """Where each offered rate goes on a log axis (inf: INF_POSITION x the highest finite)
+    and its label."""
     finite = [r for r in rates if math.isfinite(r)]
     inf_at = INF_POSITION * max(finite) if finite else 1.0
-    return [r if math.isfinite(r) else inf_at for r in rates], [f"{r:g}" if math.isfinite(r) else "inf"
-                                                                 for r in rates]
+    return ([r if math.isfinite(r) else inf_at for r in rates],
+            [f"{r:g}" if math.isfinite(r) else "inf" for r in rates])
 
 
 def _rate_axis(ax, x: list[float], labels: list[str]) -> None:
@@ -349,12 +378,13 @@ def _rate_axis(ax, x: list[float], labels: list[str]) -> None:
 
 def _latency_panel(ax, x, rows, metric: str, limit_s: float | None) -> None:
     for q, style in ((50, "o-"), (99, "s--")):
-        ax.plot(x, [r[f"p{q}_{metric}_ms"] for r in rows], style, color=COLORS[f"p{q}"], label=f"P{q}",
-                gid=f"{metric}_p{q}")
+        ax.plot(x, [r[f"p{q}_{metric}_ms"] for r in rows], style, color=COLORS[f"p{q}"],
+                label=f"P{q}", gid=f"{metric}_p{q}")
     if limit_s is not None and math.isfinite(limit_s):
         ax.axhline(limit_s * MS, color="tab:red", linewidth=1.2, gid=f"slo:{metric}",
                    label=f"SLO {limit_s * MS:g} ms")
-    values = [r[f"p{q}_{metric}_ms"] for r in rows for q in (50, 99)] + ([limit_s * MS] if limit_s else [])
+    values = ([r[f"p{q}_{metric}_ms"] for r in rows for q in (50, 99)]
+              + ([limit_s * MS] if limit_s else []))
     if min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO:
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
@@ -369,21 +399,22 @@ def _latency_panel(ax, x, rows, metric: str, limit_s: float | None) -> None:
 
 def render_capacity_curve(rows: Sequence[Mapping], slo: SLO | None = None,
                           min_fraction: float = KNEE_FRACTION, title: str = "") -> Figure:
-    """Left: request throughput and goodput against the offered rate (dotted: served = offered), the knee
-    (`capacity_knee`) as a vertical line. Middle and right: P50 and P99 TTFT and TPOT, with the SLO's
-    limits. rows: one `benchmark(...).result` per rate (percentiles (50, 99) and an SLO)."""
+    """Left: request throughput and goodput against the offered rate (dotted: served = offered), the
+    knee (`capacity_knee`) as a vertical line. Middle and right: P50 and P99 TTFT and TPOT, with the
+    SLO's limits. rows: one `benchmark(...).result` per rate (percentiles (50, 99) and an SLO)."""
     rows = _sweep("render_capacity_curve", rows)
     x, labels = _positions([r["request_rate"] for r in rows])
     knee = capacity_knee(rows, min_fraction)
     fig, axes = _new_figure((14.0, 4.6), 1, 3)
     ax, ax_ttft, ax_tpot = axes[0]
-    ax.plot(x, [r["request_throughput"] for r in rows], "o-", color="tab:blue", label="throughput (served)",
-            gid="throughput")
-    ax.plot(x, [r["request_goodput"] for r in rows], "s-", color="tab:green", label="goodput (within SLO)",
-            gid="goodput")
+    ax.plot(x, [r["request_throughput"] for r in rows], "o-", color="tab:blue",
+            label="throughput (served)", gid="throughput")
+    ax.plot(x, [r["request_goodput"] for r in rows], "s-", color="tab:green",
+            label="goodput (within SLO)", gid="goodput")
     finite = [xi for xi, r in zip(x, rows, strict=True) if math.isfinite(r["request_rate"])]
     if finite:
-        ax.plot([min(finite), max(finite)], [min(finite), max(finite)], ":", color="0.5", label="served = offered")
+        ax.plot([min(finite), max(finite)], [min(finite), max(finite)], ":", color="0.5",
+                label="served = offered")
     ax.set_ylabel("requests / s")
     ax.set_ylim(0, 1.3 * max(r["request_throughput"] for r in rows))  # the diagonal leaves the plot
     _latency_panel(ax_ttft, x, rows, "ttft", slo.ttft_s if slo else None)
@@ -393,10 +424,12 @@ def render_capacity_curve(rows: Sequence[Mapping], slo: SLO | None = None,
         _rate_axis(a, x, labels)
         a.set_title(name, fontsize=10)
         if knee is not None:
-            last = knee == rows[-1]["request_rate"]  # every rate passed: the knee lies beyond the sweep
+            # every rate passed: the knee lies beyond the sweep
+            last = knee == rows[-1]["request_rate"]
             a.axvline(x[[r["request_rate"] for r in rows].index(knee)], color="black", linewidth=1,
-                      linestyle="-.", gid="knee", label=(("every rate within SLO" if last else
-                                                          f"knee {knee:g} req/s") if a is ax else None))
+                      linestyle="-.", gid="knee",
+                      label=(("every rate within SLO" if last else f"knee {knee:g} req/s")
+                             if a is ax else None))
     ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     if title:
         fig.suptitle(title, fontsize=11)
@@ -404,19 +437,22 @@ def render_capacity_curve(rows: Sequence[Mapping], slo: SLO | None = None,
 
 
 def render_goodput_vs_throughput(rows: Sequence[Mapping], title: str = "") -> Figure:
-    """The sweep as one path, offered rate rising along it: request throughput (x) against goodput (y).
-    On the dotted diagonal every served request met its SLO; past the knee the path turns down and
-    right: the server serves more requests per second than ever, and fewer of them are any use."""
+    """The sweep as one path, offered rate rising along it: request throughput (x) against goodput
+    (y). On the dotted diagonal every served request met its SLO; past the knee the path turns down
+    and right: the server serves more requests per second than ever, and fewer of them are any
+    use."""
     rows = _sweep("render_goodput_vs_throughput", rows)
     _, labels = _positions([r["request_rate"] for r in rows])
     tp, gp = [r["request_throughput"] for r in rows], [r["request_goodput"] for r in rows]
     fig, axes = _new_figure((6.4, 4.6))
     ax = axes[0][0]
     top = max(tp) * 1.1
-    ax.plot([0, top], [0, top], ":", color="0.5", label="goodput = throughput (every request within SLO)")
+    ax.plot([0, top], [0, top], ":", color="0.5",
+            label="goodput = throughput (every request within SLO)")
     ax.plot(tp, gp, "o-", color="tab:green", gid="path", label="measured, offered rate rising")
     for xi, yi, label in zip(tp, gp, labels, strict=True):
-        ax.annotate(f"{label} req/s", (xi, yi), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.annotate(f"{label} req/s", (xi, yi), textcoords="offset points", xytext=(5, 5),
+                    fontsize=8)
     ax.set(xlabel="throughput (requests served / s)", ylabel="goodput (requests within SLO / s)",
            xlim=(0, top), ylim=(0, top))
     ax.legend(fontsize=8, frameon=False, loc="upper left")
@@ -424,25 +460,28 @@ def render_goodput_vs_throughput(rows: Sequence[Mapping], title: str = "") -> Fi
     return fig
 
 
-# ---- overload, with and without protection (chapter 10) ----------------------------------------------------
+# ---- overload, with and without protection (chapter 10) ------------------------------------------
 
 OVERLOAD_KEYS = ("protection", "load_x", "goodput_x_capacity", "p99_ttft_s", "rejected_share")
-PROTECTION_STYLES = {"none": ("o-", "tab:red"), "protected": ("s-", "tab:green")}  # others: the default cycle
+# others: the default cycle
+PROTECTION_STYLES = {"none": ("o-", "tab:red"), "protected": ("s-", "tab:green")}
 
 
 def render_overload(rows: Sequence[Mapping], series: Mapping[str, Sequence[Mapping]] | None = None,
                     title: str = "") -> Figure:
-    """The overload experiment (benchmarks/results/overload.json) against the offered load, in multiples of
-    the capacity: goodput (x capacity), P99 TTFT (log scale), the share of requests turned away; one line per
-    `protection`. With `series` (its "series": "<protection>@<load>x" -> samples of "t_s" and "waiting"), a
-    fourth panel draws the waiting queue over time at the highest load. Gids: "goodput:<p>", "p99_ttft:<p>",
-    "rejected:<p>", "waiting:<p>"."""
+    """The overload experiment (benchmarks/results/overload.json) against the offered load, in
+    multiples of the capacity: goodput (x capacity), P99 TTFT (log scale), the share of requests
+    turned away; one line per `protection`. With `series` (its "series": "<protection>@<load>x" ->
+    samples of "t_s" and "waiting"), a fourth panel draws the waiting queue over time at the highest
+    load. Gids: "goodput:<p>", "p99_ttft:<p>", "rejected:<p>", "waiting:<p>"."""
     if not rows:
-        _fail("render_overload", "rows", "is empty: give the rows of benchmarks/results/overload.json")
+        _fail("render_overload", "rows",
+              "is empty: give the rows of benchmarks/results/overload.json")
     for r in rows:
         missing = [k for k in OVERLOAD_KEYS if r.get(k) is None]
         if missing:
-            _fail("render_overload", "rows", f"lack {missing}: give the rows of benchmarks/results/overload.json")
+            _fail("render_overload", "rows",
+                  f"lack {missing}: give the rows of benchmarks/results/overload.json")
     kinds = list(dict.fromkeys(r["protection"] for r in rows))
     fig, axes = _new_figure((15.0, 4.2), 1, 4 if series else 3)
     panels = (("goodput_x_capacity", "goodput (x capacity)", "goodput within SLO", "goodput"),
@@ -452,8 +491,8 @@ def render_overload(rows: Sequence[Mapping], series: Mapping[str, Sequence[Mappi
         for kind in kinds:
             mine = sorted((r for r in rows if r["protection"] == kind), key=lambda r: r["load_x"])
             style, color = PROTECTION_STYLES.get(kind, ("o-", None))
-            ax.plot([r["load_x"] for r in mine], [r[key] for r in mine], style, color=color, label=kind,
-                    gid=f"{gid}:{kind}")
+            ax.plot([r["load_x"] for r in mine], [r[key] for r in mine], style, color=color,
+                    label=kind, gid=f"{gid}:{kind}")
         ax.axvline(1.0, color="0.5", linestyle=":", linewidth=1)
         ax.set(xlabel="offered load (x capacity)", ylabel=ylabel)
         ax.set_title(name, fontsize=10)
@@ -470,15 +509,16 @@ def render_overload(rows: Sequence[Mapping], series: Mapping[str, Sequence[Mappi
     return fig
 
 
-def _waiting_panel(ax, rows: Sequence[Mapping], kinds: list[str], series: Mapping[str, Sequence[Mapping]]) -> None:
+def _waiting_panel(ax, rows: Sequence[Mapping], kinds: list[str],
+                   series: Mapping[str, Sequence[Mapping]]) -> None:
     top = max(r["load_x"] for r in rows)
     for kind in kinds:
         samples = series.get(f"{kind}@{top:.1f}x")
         if not samples:
             continue
         style, color = PROTECTION_STYLES.get(kind, ("o-", None))
-        ax.plot([s["t_s"] for s in samples], [s["waiting"] for s in samples], "-", color=color, label=kind,
-                gid=f"waiting:{kind}")
+        ax.plot([s["t_s"] for s in samples], [s["waiting"] for s in samples], "-", color=color,
+                label=kind, gid=f"waiting:{kind}")
     ax.set(xlabel="time (s)", ylabel="requests waiting")
     ax.set_title(f"the waiting queue at {top:g}x capacity", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="upper left")

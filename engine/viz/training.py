@@ -1,14 +1,16 @@
 """The model card's figure: what tinylab could do at each step of its training.
 
-    probe_history        the probe rows of a training log, earlier parts (chained through "previous") first
+    probe_history        the probe rows of a training log, earlier parts
+                         (chained through "previous") first
     loss_history         (steps, losses) of the same chain
     render_probe_curve   left: the fixed probe's exact rates per task against the step; right: the
-                         training loss; both mark where the lookup curriculum ends and the decay starts
+                         training loss; both mark where the lookup curriculum ends and the decay
+                         starts
 
     python -m engine.viz.training runs/scratch        # writes runs/scratch/recall_curve.png
 
-The probe (`engine/lab/training.py: probe`) is teacher-forced on held-out documents that `eval` does not
-score, so its numbers track the eval table but are not it.
+The probe (`engine/lab/training.py: probe`) is teacher-forced on held-out documents that `eval` does
+not score, so its numbers track the eval table but are not it.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ PROBE_SERIES = {
     "arith": "arith",
     "json": "json (whole object exact)",
 }
-LOSS_SMOOTHING_STEPS = 50  # the loss is noisy step to step (4 rows per step): a running mean over this many
+# the loss is noisy step to step (4 rows per step): a running mean over this many
+LOSS_SMOOTHING_STEPS = 50
 
 
 def _chain(log: dict) -> list[dict]:
-    """The parts of a training log, oldest first (a resumed part keeps its predecessor in "previous")."""
+    """The parts of a training log, oldest first
+    (a resumed part keeps its predecessor in "previous")."""
     parts = []
     while log:
         parts.append(log)
@@ -43,20 +47,24 @@ def _chain(log: dict) -> list[dict]:
 
 
 def probe_history(log: dict) -> list[dict]:
-    """Every probe row of the chain, by step; a later part's row wins where two parts probed the same step."""
+    """Every probe row of the chain, by step;
+    a later part's row wins where two parts probed the same step."""
     rows = {row["step"]: row for part in _chain(log) for row in part.get("probe", [])}
     return [rows[s] for s in sorted(rows)]
 
 
 def loss_history(log: dict) -> tuple[list[int], list[float]]:
-    """(steps, losses) of the chain; a later part's value wins where parts overlap (a resumed run)."""
-    loss = {s: v for part in _chain(log) for s, v in zip(part.get("steps", []), part.get("loss", []), strict=False)}
+    """(steps, losses) of the chain; a later part's value wins where parts overlap
+    (a resumed run)."""
+    loss = {s: v for part in _chain(log)
+            for s, v in zip(part.get("steps", []), part.get("loss", []), strict=False)}
     steps = sorted(loss)
     return steps, [loss[s] for s in steps]
 
 
 def _marks(log: dict) -> list[tuple[int, str]]:
-    """Vertical lines: where the lookup curriculum ends and the learning-rate decay starts (last part's config)."""
+    """Vertical lines: where the lookup curriculum ends and the learning-rate decay starts
+    (last part's config)."""
     cfg, marks = log.get("config", {}), []
     if cfg.get("curriculum_steps"):
         marks.append((cfg["curriculum_steps"], "drills end, rows 256 -> 512"))
@@ -79,7 +87,8 @@ def render_probe_curve(log: dict, title: str = "tinylab during training") -> Fig
             x, y = zip(*points, strict=True)
             ax.plot(x, y, marker="o", markersize=3, label=label, gid=f"probe:{key}")
     ax.set(xlabel="training step", ylabel="exact answers on the probe", ylim=(-0.02, 1.02),
-           title=f"probe: {len(history)} measurements, n = {log.get('config', {}).get('probe_n', '?')} per task")
+           title=f"probe: {len(history)} measurements, n = "
+                 f"{log.get('config', {}).get('probe_n', '?')} per task")
     steps, losses = loss_history(log)
     k = min(LOSS_SMOOTHING_STEPS, len(losses))
     smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
@@ -89,10 +98,11 @@ def render_probe_curve(log: dict, title: str = "tinylab during training") -> Fig
     for a in (ax, ax_loss):
         for step, text in _marks(log):
             a.axvline(step, color="grey", linestyle=":", linewidth=1)
-            a.annotate(text, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=8,
-                       color="grey", ha="right", va="top")
+            a.annotate(text, (step, 0.98), xycoords=("data", "axes fraction"), rotation=90,
+                       fontsize=8, color="grey", ha="right", va="top")
         a.grid(alpha=0.3)
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=len(PROBE_SERIES), fontsize=9)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=len(PROBE_SERIES),
+               fontsize=9)
     fig.suptitle(title)
     return fig
 
@@ -103,7 +113,8 @@ def main(argv: list[str]) -> None:
     folder = Path(argv[0])
     log_path = folder / "training_log.json"
     if not log_path.exists():
-        sys.exit(f"{log_path} does not exist: give the folder `python -m engine train-tinylab --out` wrote")
+        sys.exit(f"{log_path} does not exist: "
+                 "give the folder `python -m engine train-tinylab --out` wrote")
     out = folder / "recall_curve.png"
     render_probe_curve(json.loads(log_path.read_text())).savefig(out, dpi=110)
     print(f"wrote {out}")

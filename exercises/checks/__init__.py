@@ -12,7 +12,8 @@ def raises(fn, error: type[Exception]) -> bool:
 
 
 def raises_naming(field: str, call, what: str) -> None:
-    """``call()`` must raise a ValueError whose message names ``field`` (a clear error on bad input)."""
+    """``call()`` must raise a ValueError whose message names ``field``
+    (a clear error on bad input)."""
     try:
         call()
     except ValueError as err:

@@ -1,17 +1,19 @@
-"""Checks for chapter 02: the FLOPs and bytes of a decode step, arithmetic intensity, the roofline verdict.
+"""Checks for chapter 02: the FLOPs and bytes of a decode step, arithmetic intensity,
+the roofline verdict.
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch02_prefill_decode.py` or the
-reference in `exercises/solutions/`. The functions are compared with `engine.companions.roofline.forward_cost`
-on several published shapes, and with numbers worked out by hand in the comments.
+reference in `exercises/solutions/`. The functions are compared with
+`engine.companions.roofline.forward_cost` on several published shapes, and with numbers worked out
+by hand in the comments.
 """
 
 from __future__ import annotations
 
 import math
 
-from engine.config import MODEL_PRESETS, ModelConfig
 from engine.companions.roofline import MachineRoofline, forward_cost
 from engine.companions.roofline import classify as engine_classify
+from engine.config import MODEL_PRESETS, ModelConfig
 
 # (batch, context tokens) of the decode steps we compare; contexts stay under Mistral's 4096 window,
 # beyond which the engine (rightly) stops counting older tokens.
@@ -21,7 +23,8 @@ DECODE_STEPS = [(1, 1), (1, 1024), (8, 512), (32, 4096)]
 DTYPES = [(2, 2), (1, 2), (0.5, 1), (4, 4)]
 REL_TOL = 1e-12  # the answers are exact integers or a single division; allow only float rounding
 
-# Spec-sheet numbers: A100 SXM 80 GB, dense bf16 312 TFLOP/s and 2.039 TB/s (ridge about 153 FLOP/B);
+# Spec-sheet numbers:
+# A100 SXM 80 GB, dense bf16 312 TFLOP/s and 2.039 TB/s (ridge about 153 FLOP/B);
 # H100 SXM, dense bf16 989 TFLOP/s and 3.35 TB/s (ridge about 295 FLOP/B).
 A100 = MachineRoofline(312e12, 2.039e12, "bf16", "A100 SXM 80GB, spec sheet")
 H100 = MachineRoofline(989e12, 3.35e12, "bf16", "H100 SXM, spec sheet")
@@ -30,17 +33,19 @@ LLAMA2 = MODEL_PRESETS["Llama-2-7B"]
 
 def _params_read(shape: ModelConfig) -> int:
     """Parameters streamed each step: all but an untied embedding table (a lookup, not a matmul)."""
-    return shape.num_params() - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+    return shape.num_params() - (0 if shape.tie_word_embeddings
+                                 else shape.vocab_size * shape.hidden_size)
 
 
 def _flops(mod, shape: ModelConfig, batch: int, context: int):
-    return mod.decode_step_flops(shape.matmul_params(), shape.num_hidden_layers, shape.num_attention_heads,
-                                 shape.head_dim, batch, context)
+    return mod.decode_step_flops(shape.matmul_params(), shape.num_hidden_layers,
+                                 shape.num_attention_heads, shape.head_dim, batch, context)
 
 
 def _bytes(mod, shape: ModelConfig, batch: int, context: int, weight_b: float, kv_b: float):
-    return mod.decode_step_bytes(_params_read(shape), shape.num_hidden_layers, shape.num_key_value_heads,
-                                 shape.head_dim, batch, context, weight_b, kv_b)
+    return mod.decode_step_bytes(_params_read(shape), shape.num_hidden_layers,
+                                 shape.num_key_value_heads, shape.head_dim, batch, context,
+                                 weight_b, kv_b)
 
 
 def _assert_close(got, want, call: str) -> None:
@@ -48,16 +53,18 @@ def _assert_close(got, want, call: str) -> None:
         f"{call} gave {got!r}, expected {want!r}")
 
 
-# ---- FLOPs ------------------------------------------------------------------------------------------
+# ---- FLOPs ---------------------------------------------------------------------------------------
 
 
 def check_decode_step_flops_of_llama2_7b_by_hand(mod) -> None:
-    # matmul params: per layer q, k, v, o 4 * 4096 * 4096 = 67,108,864 (no GQA: k and v are full size)
-    # + MLP 3 * 4096 * 11008 = 135,266,304 -> 202,375,168; * 32 layers = 6,476,005,376; + LM head
-    # 4096 * 32000 = 131,072,000 -> 6,607,077,376. Matmuls: 2 * that = 13,214,154,752 FLOPs.
+    # matmul params: per layer q, k, v, o 4 * 4096 * 4096 = 67,108,864
+    # (no GQA: k and v are full size) + MLP 3 * 4096 * 11008 = 135,266,304 -> 202,375,168;
+    # * 32 layers = 6,476,005,376; + LM head 4096 * 32000 = 131,072,000 -> 6,607,077,376.
+    # Matmuls: 2 * that = 13,214,154,752 FLOPs.
     # Attention at T = 1024: 4 * 32 layers * 32 heads * 128 dims * 1024 tokens = 536,870,912.
     got = mod.decode_step_flops(6_607_077_376, 32, 32, 128, 1, 1024)
-    _assert_close(got, 13_214_154_752 + 536_870_912, "decode_step_flops(Llama-2-7B, batch=1, context=1024)")
+    _assert_close(got, 13_214_154_752 + 536_870_912,
+                  "decode_step_flops(Llama-2-7B, batch=1, context=1024)")
 
 
 def check_decode_step_flops_match_the_engine(mod) -> None:
@@ -68,7 +75,7 @@ def check_decode_step_flops_match_the_engine(mod) -> None:
                           f"decode_step_flops({name}, batch={batch}, context={context})")
 
 
-# ---- bytes ------------------------------------------------------------------------------------------
+# ---- bytes ---------------------------------------------------------------------------------------
 
 
 def check_decode_step_bytes_of_llama2_7b_by_hand(mod) -> None:
@@ -100,7 +107,7 @@ def check_decode_step_bytes_match_the_engine(mod) -> None:
                               f"weight_bytes={weight_b}, kv_bytes={kv_b})")
 
 
-# ---- intensity and the verdict ----------------------------------------------------------------------
+# ---- intensity and the verdict -------------------------------------------------------------------
 
 
 def check_arithmetic_intensity_is_flops_per_byte(mod) -> None:
@@ -124,8 +131,9 @@ def check_classify_puts_the_ridge_point_on_the_compute_side(mod) -> None:
              (0.5, "bandwidth-bound")]
     for intensity, want in cases:
         got = mod.classify(intensity, 1000.0, 10.0)
-        assert got == want, (f"classify({intensity}, peak 1000, bandwidth 10) gave {got!r}, "
-                             f"expected {want!r} (the ridge point is 1000 / 10 = 100 FLOP per byte)")
+        assert got == want, (
+            f"classify({intensity}, peak 1000, bandwidth 10) gave {got!r}, "
+            f"expected {want!r} (the ridge point is 1000 / 10 = 100 FLOP per byte)")
 
 
 def check_classify_matches_the_engine_on_prefill_and_decode(mod) -> None:
@@ -137,7 +145,8 @@ def check_classify_matches_the_engine_on_prefill_and_decode(mod) -> None:
                            ("prefill of 2048 tokens", forward_cost(shape, 1, 2048, 2048, 2, 2))):
             got = mod.classify(cost.intensity, roofline.peak_flops, roofline.bandwidth_bytes_per_s)
             want = engine_classify(cost, roofline)
-            assert got == want, f"classify(Llama-3-8B {what} on {roofline.description}) gave {got!r}, " \
-                                f"expected {want!r}"
+            assert got == want, (
+                f"classify(Llama-3-8B {what} on {roofline.description}) gave {got!r}, "
+                f"expected {want!r}")
     decode = forward_cost(shape, 1, 1, 2048, 2, 2).intensity
     assert mod.classify(decode, H100.peak_flops, H100.bandwidth_bytes_per_s) == "bandwidth-bound"

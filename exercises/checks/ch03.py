@@ -1,4 +1,5 @@
-"""Checks for chapter 03: the KV cache formula, a cache update at given slots, and capacity questions.
+"""Checks for chapter 03: the KV cache formula, a cache update at given slots,
+and capacity questions.
 
 Each `check_<claim>(mod)` runs against the student's `exercises/ch03_kv_cache.py` or the reference
 in `exercises/solutions/`. The formula is compared with real tensors' `.nbytes` and with
@@ -30,7 +31,7 @@ def _assert_close(got, want, call: str) -> None:
         f"{call} gave {got!r}, expected {want!r}")
 
 
-# ---- the formula --------------------------------------------------------------------------------------
+# ---- the formula ---------------------------------------------------------------------------------
 
 
 def check_kv_cache_bytes_equals_the_nbytes_of_a_real_cache(mod) -> None:
@@ -39,7 +40,8 @@ def check_kv_cache_bytes_equals_the_nbytes_of_a_real_cache(mod) -> None:
             # [L, K/V, B, T, Hkv, D]
             cache = torch.empty(layers, 2, batch, tokens, kv_heads, head_dim, dtype=dtype)
             got = mod.kv_cache_bytes(layers, batch, tokens, kv_heads, head_dim, dtype.itemsize)
-            _assert_close(got, cache.nbytes, f"kv_cache_bytes({layers}, {batch}, {tokens}, {kv_heads}, "
+            _assert_close(got, cache.nbytes,
+                          f"kv_cache_bytes({layers}, {batch}, {tokens}, {kv_heads}, "
                           f"{head_dim}, {dtype.itemsize}) (a {dtype} tensor of that shape has "
                           f"{cache.nbytes} bytes)")
 
@@ -61,7 +63,8 @@ def check_llama3_8b_at_8k_tokens_for_1_and_32_sequences(mod) -> None:
     one = mod.kv_cache_bytes(L3_LAYERS, 1, CONTEXT_8K, L3_KV_HEADS, HEAD_DIM, FP16)
     _assert_close(one, 1_073_741_824, "kv_cache_bytes(Llama-3-8B, 1 sequence of 8192 tokens, fp16)")
     many = mod.kv_cache_bytes(L3_LAYERS, 32, CONTEXT_8K, L3_KV_HEADS, HEAD_DIM, FP16)
-    _assert_close(many, 34_359_738_368, "kv_cache_bytes(Llama-3-8B, 32 sequences of 8192 tokens, fp16)")
+    _assert_close(many, 34_359_738_368,
+                  "kv_cache_bytes(Llama-3-8B, 32 sequences of 8192 tokens, fp16)")
 
 
 def check_mha_caches_4x_more_than_gqa_and_mqa_8x_less(mod) -> None:
@@ -72,7 +75,8 @@ def check_mha_caches_4x_more_than_gqa_and_mqa_8x_less(mod) -> None:
                                  (8, 1_073_741_824, "GQA, 8 KV heads"),
                                  (1, 134_217_728, "MQA, 1 KV head")):
         got = mod.kv_cache_bytes(L3_LAYERS, 1, CONTEXT_8K, kv_heads, HEAD_DIM, FP16)
-        _assert_close(got, want, f"kv_cache_bytes(32 layers, 8192 tokens, {what}, head dim 128, fp16)")
+        _assert_close(got, want,
+                      f"kv_cache_bytes(32 layers, 8192 tokens, {what}, head dim 128, fp16)")
 
 
 def check_the_cache_grows_linearly_with_context_and_layers(mod) -> None:
@@ -80,25 +84,29 @@ def check_the_cache_grows_linearly_with_context_and_layers(mod) -> None:
     # 8192 tokens: 2,684,354,560; 32k tokens (4x): 10,737,418,240.
     for tokens, want in ((CONTEXT_8K, 2_684_354_560), (4 * CONTEXT_8K, 10_737_418_240)):
         got = mod.kv_cache_bytes(80, 1, tokens, 8, HEAD_DIM, FP16)
-        _assert_close(got, want, f"kv_cache_bytes(Llama-3-70B, 1 sequence of {tokens} tokens, fp16)")
+        _assert_close(got, want,
+                      f"kv_cache_bytes(Llama-3-70B, 1 sequence of {tokens} tokens, fp16)")
 
 
 def check_int8_halves_the_cache_and_int4_quarters_it(mod) -> None:
     # Llama-3-8B at 8k: fp16 1,073,741,824 -> int8 536,870,912 -> int4 (half a byte) 268,435,456.
     for b, want in ((1, 536_870_912), (0.5, 268_435_456)):
         got = mod.kv_cache_bytes(L3_LAYERS, 1, CONTEXT_8K, L3_KV_HEADS, HEAD_DIM, b)
-        _assert_close(got, want, f"kv_cache_bytes(Llama-3-8B, 8192 tokens, {b} byte(s) per element)")
+        _assert_close(got, want,
+                      f"kv_cache_bytes(Llama-3-8B, 8192 tokens, {b} byte(s) per element)")
 
 
-# ---- writing into a cache -----------------------------------------------------------------------------
+# ---- writing into a cache ------------------------------------------------------------------------
 
 B, SLOTS, KV_HEADS, DIM = 2, 8, 2, 4
 
 
 def _cache_and_new(tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    cache_k, cache_v = (torch.randn(B, SLOTS, KV_HEADS, DIM, generator=g) for _ in range(2))  # [B, S, Hkv, D]
-    k_new, v_new = (torch.randn(B, tokens, KV_HEADS, DIM, generator=g) for _ in range(2))  # [B, T, Hkv, D]
+    # [B, S, Hkv, D]
+    cache_k, cache_v = (torch.randn(B, SLOTS, KV_HEADS, DIM, generator=g) for _ in range(2))
+    # [B, T, Hkv, D]
+    k_new, v_new = (torch.randn(B, tokens, KV_HEADS, DIM, generator=g) for _ in range(2))
     return cache_k, cache_v, k_new, v_new
 
 
@@ -112,10 +120,12 @@ def _write_and_compare(mod, positions: list[list[int]], what: str) -> None:
     k_ptr, v_ptr = cache_k.data_ptr(), cache_v.data_ptr()
     mod.write_kv(cache_k, cache_v, k_new, v_new, torch.tensor(positions))
     call = f"write_kv(..., positions={positions}) ({what})"
-    assert cache_k.data_ptr() == k_ptr and cache_v.data_ptr() == v_ptr, f"{call} replaced the cache tensors"
+    assert cache_k.data_ptr() == k_ptr and cache_v.data_ptr() == v_ptr, (
+        f"{call} replaced the cache tensors")
     for name, got, want in (("cache_k", cache_k, want_k), ("cache_v", cache_v, want_v)):
         wrong = sorted({(b, s) for b, s, *_ in torch.nonzero(got != want).tolist()})
-        assert not wrong, f"{call}: {name} differs from the expected cache at (sequence, slot) {wrong}"
+        assert not wrong, (
+            f"{call}: {name} differs from the expected cache at (sequence, slot) {wrong}")
 
 
 def check_write_kv_writes_each_token_at_its_slot(mod) -> None:
@@ -128,7 +138,8 @@ def check_write_kv_handles_sequences_at_different_lengths(mod) -> None:
 
 
 def check_write_kv_leaves_every_other_slot_untouched(mod) -> None:
-    # Slots written out of order and wrapping around, as in a sliding-window ring buffer (slot = pos % 8).
+    # Slots written out of order and wrapping around, as in a sliding-window ring buffer
+    # (slot = pos % 8).
     _write_and_compare(mod, [[7, 0], [6, 7]], "a ring buffer wrapping around")
 
 
@@ -139,7 +150,7 @@ def check_write_kv_writes_in_place(mod) -> None:
         "write_kv must change the cache tensors it is given (in place), not return new ones")
 
 
-# ---- capacity -------------------------------------------------------------------------------------------
+# ---- capacity ------------------------------------------------------------------------------------
 
 L3_WEIGHTS_GB = 16.06  # 8,030,261,248 params * 2 bytes = 16.06 GB in fp16
 L3_KV_PER_TOKEN = 131_072
@@ -157,12 +168,15 @@ def check_max_sequences_of_llama3_8b_at_8k_on_80_and_24_gb(mod) -> None:
 def check_max_sequences_gains_from_smaller_weights_and_gqa(mod) -> None:
     # int4 weights (4.015 GB) on 24 GB: 19.985e9 / 1,073,741,824 = 18.6 -> 18 sequences.
     got = mod.max_sequences(24, 4.015, L3_KV_PER_TOKEN, CONTEXT_8K)
-    assert got == 18, f"max_sequences(24 GB, int4 weights 4.015 GB, Llama-3-8B, 8k) gave {got!r}, expected 18"
+    assert got == 18, (
+        f"max_sequences(24 GB, int4 weights 4.015 GB, Llama-3-8B, 8k) gave {got!r}, expected 18")
     # Llama-2-7B (MHA, 524,288 B/token, 13.48 GB of fp16 weights) on 80 GB:
-    # 66.52e9 / 4,294,967,296 = 15.5 -> 15 sequences, a quarter of Llama-3-8B's 59 despite smaller weights.
+    # 66.52e9 / 4,294,967,296 = 15.5 -> 15 sequences, a quarter of Llama-3-8B's 59
+    # despite smaller weights.
     got = mod.max_sequences(80, 13.48, 524_288, CONTEXT_8K)
-    assert got == 15, (f"max_sequences(80 GB, Llama-2-7B fp16 13.48 GB, 524288 B/token, 8k) gave {got!r}, "
-                       "expected 15")
+    assert got == 15, (
+        f"max_sequences(80 GB, Llama-2-7B fp16 13.48 GB, 524288 B/token, 8k) gave {got!r}, "
+        "expected 15")
 
 
 def check_max_sequences_is_zero_when_the_weights_do_not_fit(mod) -> None:
@@ -178,12 +192,14 @@ def check_max_sequences_matches_the_engine_without_reserve(mod) -> None:
         per_token = memory.kv_bytes_per_token(s, "fp16")
         for gpu in memory.GPU_MEMORY_GB.values():
             for context in (1024, CONTEXT_8K):
-                cached = memory.cached_tokens_per_sequence(s, context)  # Mistral caches at most its window
+                # Mistral caches at most its window
+                cached = memory.cached_tokens_per_sequence(s, context)
                 got = mod.max_sequences(gpu, weights_gb, per_token, cached)
                 if weights_gb >= gpu:
                     want = 0
                 else:
                     want = memory.max_concurrent_sequences(s, gpu * GB, context, "fp16", "fp16",
                                                            reserve_fraction=0)
-                assert got == want, (f"max_sequences({gpu} GB, {name} weights {weights_gb:.3f} GB, "
-                                     f"{per_token} B/token, {cached} tokens) gave {got!r}, expected {want}")
+                assert got == want, (
+                    f"max_sequences({gpu} GB, {name} weights {weights_gb:.3f} GB, "
+                    f"{per_token} B/token, {cached} tokens) gave {got!r}, expected {want}")

@@ -1,9 +1,11 @@
-"""Checks for chapter 06: block hashes, the longest cached prefix, the tokens a hit saves, and the bug zoo.
+"""Checks for chapter 06: block hashes, the longest cached prefix, the tokens a hit saves,
+and the bug zoo.
 
-Each `check_<claim>(mod)` runs against the student's `exercises/ch06_prefix_cache.py` or the reference in
-`exercises/solutions/`. The answers come from small cases worked out by hand in the comments, and from the
-engine itself: `engine.kv.prefix_cache` (block_hash, block_hashes, cache_key) and a real `BlockManager` with
-prefix caching on (find_cached_prefix, and eviction through its allocator).
+Each `check_<claim>(mod)` runs against the student's `exercises/ch06_prefix_cache.py` or the
+reference in `exercises/solutions/`. The answers come from small cases worked out by hand in the
+comments, and from the engine itself: `engine.kv.prefix_cache` (block_hash, block_hashes, cache_key)
+and a real `BlockManager` with prefix caching on (find_cached_prefix, and eviction through its
+allocator).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 def _cache_of(prompts: list[list[int]], key=KEY) -> dict[str, int]:
-    """hash -> physical block, as the engine would hold it after computing these prompts (block ids made up)."""
+    """hash -> physical block, as the engine would hold it after computing these prompts
+    (block ids made up)."""
     out: dict[str, int] = {}
     for ids in prompts:
         for h in block_hashes(ids, BS, key):
@@ -35,14 +38,16 @@ def _cache_of(prompts: list[list[int]], key=KEY) -> dict[str, int]:
     return out
 
 
-# ---- part 1: hashes --------------------------------------------------------------------------------------
+# ---- part 1: hashes ------------------------------------------------------------------------------
 
 
 def check_block_hash_matches_the_engine(mod) -> None:
-    for parent, tokens, extra in ((None, [1, 2, 3, 4], KEY), ("ab" * 32, [7, 7, 7, 7], ("m", None, "public")),
+    for parent, tokens, extra in ((None, [1, 2, 3, 4], KEY),
+                                  ("ab" * 32, [7, 7, 7, 7], ("m", None, "public")),
                                   (None, [5], ())):
         got, want = mod.block_hash(parent, tokens, extra), block_hash(parent, tokens, extra)
-        assert got == want, f"block_hash({parent!r}, {tokens}, {extra}) = {got!r}, the engine's is {want!r}"
+        assert got == want, (
+            f"block_hash({parent!r}, {tokens}, {extra}) = {got!r}, the engine's is {want!r}")
     # The same tokens with another parent, or other extra keys, must give another hash.
     assert mod.block_hash(None, [1, 2], KEY) != mod.block_hash("0" * 64, [1, 2], KEY)
 
@@ -50,22 +55,26 @@ def check_block_hash_matches_the_engine(mod) -> None:
 def check_block_hashes_chain_and_skip_the_partial_block(mod) -> None:
     ids = _ids(10, SEED)  # BS 4: blocks [0:4], [4:8] are full; [8:10] is partial and gets no hash
     got = mod.block_hashes(ids, BS, KEY)
-    assert isinstance(got, list) and len(got) == 2, f"10 tokens in blocks of 4 have 2 full blocks, got {got!r}"
-    assert got == block_hashes(ids, BS, KEY), "block_hashes differ from the engine's (is block 1 chained on h0?)"
+    assert isinstance(got, list) and len(got) == 2, (
+        f"10 tokens in blocks of 4 have 2 full blocks, got {got!r}")
+    assert got == block_hashes(ids, BS, KEY), (
+        "block_hashes differ from the engine's (is block 1 chained on h0?)")
     assert mod.block_hashes(ids[:3], BS, KEY) == [], "3 tokens make no full block of 4: no hash"
     for trial in range(TRIALS):
         ids = _ids(random.Random(trial).randint(1, 40), trial)
-        assert mod.block_hashes(ids, BS, KEY) == block_hashes(ids, BS, KEY), f"{len(ids)} tokens: differs"
+        assert mod.block_hashes(ids, BS, KEY) == block_hashes(ids, BS, KEY), (
+            f"{len(ids)} tokens: differs")
 
 
 def check_block_hashes_continue_from_a_parent(mod) -> None:
     ids = _ids(17, SEED + 1)
     full = block_hashes(ids, BS, KEY)
     got = mod.block_hashes(ids, BS, KEY, start=2, parent=full[1])
-    assert got == full[2:], "block_hashes(ids, BS, key, start=2, parent=h1) must give h2, h3 (the chain goes on)"
+    assert got == full[2:], (
+        "block_hashes(ids, BS, key, start=2, parent=h1) must give h2, h3 (the chain goes on)")
 
 
-# ---- part 1: the lookup ---------------------------------------------------------------------------------
+# ---- part 1: the lookup --------------------------------------------------------------------------
 
 
 def check_find_cached_prefix_stops_at_the_first_miss(mod) -> None:
@@ -77,7 +86,8 @@ def check_find_cached_prefix_stops_at_the_first_miss(mod) -> None:
     cached[h[1]] = 8
     got = mod.find_cached_prefix(ids, KEY, len(ids) - 1, BS, cached)
     assert got == [7, 8, 9], f"all three cached: expected [7, 8, 9], got {got!r}"
-    got = mod.find_cached_prefix(ids, ("another model", "v1", "tenant:acme"), len(ids) - 1, BS, cached)
+    got = mod.find_cached_prefix(ids, ("another model", "v1", "tenant:acme"), len(ids) - 1, BS,
+                                 cached)
     assert got == [], f"another key: nothing may be found, got {got!r}"
 
 
@@ -86,13 +96,14 @@ def check_find_cached_prefix_respects_max_tokens(mod) -> None:
     cached = _cache_of([ids])
     for max_tokens, blocks in ((12, 3), (11, 2), (8, 2), (7, 1), (3, 0)):
         got = mod.find_cached_prefix(ids, KEY, max_tokens, BS, cached)
-        assert len(got) == blocks, (f"12 tokens all cached, max_tokens={max_tokens}: expected {blocks} blocks "
-                                    f"(whole blocks within max_tokens), got {got!r}")
+        assert len(got) == blocks, (
+            f"12 tokens all cached, max_tokens={max_tokens}: expected {blocks} blocks "
+            f"(whole blocks within max_tokens), got {got!r}")
 
 
 def check_find_cached_prefix_matches_the_engine(mod) -> None:
-    """A real BlockManager computes a few prompts with shared beginnings; then every new prompt's lookup
-    (capped at its length - 1, as the scheduler asks) must return the engine's blocks."""
+    """A real BlockManager computes a few prompts with shared beginnings; then every new prompt's
+    lookup (capped at its length - 1, as the scheduler asks) must return the engine's blocks."""
     rng = random.Random(SEED)
     bm = BlockManager(200, BS, enable_prefix_caching=True)
     systems = [_ids(n, 50 + n) for n in (5, 9, 12)]
@@ -107,13 +118,15 @@ def check_find_cached_prefix_matches_the_engine(mod) -> None:
         bm.free(seq)
 
 
-# ---- part 1: how much a hit saves ------------------------------------------------------------------------
+# ---- part 1: how much a hit saves ----------------------------------------------------------------
 
 
 def check_cached_prefix_tokens_by_hand(mod) -> None:
-    # Question 1: a 1000-token system prompt + a 50-token turn, BS 16: 1000 // 16 = 62 blocks = 992 tokens.
-    # A 1008-token system prompt is exactly 63 blocks: all 1008. A 1024-token prompt that is ALL shared:
-    # the last token is fed again, so 1023 -> 63 blocks = 1008 (the last block is recomputed).
+    # Question 1: a 1000-token system prompt + a 50-token turn, BS 16:
+    # 1000 // 16 = 62 blocks = 992 tokens.
+    # A 1008-token system prompt is exactly 63 blocks: all 1008.
+    # A 1024-token prompt that is ALL shared: the last token is fed again,
+    # so 1023 -> 63 blocks = 1008 (the last block is recomputed).
     for args, want in (((1050, 1000, 16), 992), ((1058, 1008, 16), 1008), ((1024, 1024, 16), 1008),
                        ((10, 0, 4), 0), ((1, 1, 1), 0)):
         got = mod.cached_prefix_tokens(*args)
@@ -131,13 +144,15 @@ def check_cached_prefix_tokens_matches_the_engine(mod) -> None:
         ids = _ids(n, trial)
         bm = BlockManager(40, BS, enable_prefix_caching=True)
         bm.allocate(0, shared)
-        bm.cache_blocks(0, ids[:shared], KEY, shared)  # an earlier request computed the first `shared` tokens
+        # an earlier request computed the first `shared` tokens
+        bm.cache_blocks(0, ids[:shared], KEY, shared)
         want = len(bm.find_cached_prefix(ids, KEY, n - 1)) * BS
         got = mod.cached_prefix_tokens(n, shared, BS)
-        assert got == want, f"prompt {n}, shared {shared}, BS {BS}: got {got}, the engine finds {want}"
+        assert got == want, (
+            f"prompt {n}, shared {shared}, BS {BS}: got {got}, the engine finds {want}")
 
 
-# ---- part 2: the bug zoo ---------------------------------------------------------------------------------
+# ---- part 2: the bug zoo -------------------------------------------------------------------------
 
 
 def check_plan_prefill_recomputes_the_last_token_of_a_fully_cached_prompt(mod) -> None:
@@ -146,8 +161,9 @@ def check_plan_prefill_recomputes_the_last_token_of_a_fully_cached_prompt(mod) -
         blocks, start = mod.plan_prefill(ids, BS, KEY, _cache_of([ids]))
         want = (n - 1) // BS * BS
         assert start == want and len(blocks) == want // BS, (
-            f"a {n}-token prompt that is fully cached: got start {start} ({len(blocks)} blocks), expected start "
-            f"{want}: the last token must be computed, or there are no logits to sample from")
+            f"a {n}-token prompt that is fully cached: got start {start} ({len(blocks)} blocks), "
+            f"expected start {want}: the last token must be computed, or there are no logits "
+            "to sample from")
 
 
 def check_plan_prefill_shares_the_longest_cached_prefix(mod) -> None:
@@ -155,16 +171,19 @@ def check_plan_prefill_shares_the_longest_cached_prefix(mod) -> None:
     cached = _cache_of([system + [1, 2, 3]])
     blocks, start = mod.plan_prefill(system + [9, 9, 9, 9], BS, KEY, cached)
     want = [cached[h] for h in block_hashes(system, BS, KEY)]
-    assert (blocks, start) == (want, 8), f"9 shared tokens: expected ({want}, 8), got ({blocks}, {start})"
+    assert (blocks, start) == (want, 8), (
+        f"9 shared tokens: expected ({want}, 8), got ({blocks}, {start})")
     assert mod.plan_prefill([5, 5], BS, KEY, cached) == ([], 0), "nothing cached: ([], 0)"
     ids = _ids(13, SEED + 9)
     h = block_hashes(ids, BS, KEY)
-    got = mod.plan_prefill(ids, BS, KEY, {h[0]: 4, h[2]: 6})  # block 1 missing: block 2 is of no use
+    # block 1 missing: block 2 is of no use
+    got = mod.plan_prefill(ids, BS, KEY, {h[0]: 4, h[2]: 6})
     assert got == ([4], 4), f"blocks 0 and 2 cached, block 1 not: expected ([4], 4), got {got}"
 
 
 def _zoo_cache(blocks_and_prompts):
-    """free list empty; each (block, hash) registered and parked in the evictor in the given order (LRU first)."""
+    """free list empty; each (block, hash) registered and parked in the evictor in the given order
+    (LRU first)."""
     block_of, hash_of, evictor = {}, {}, OrderedDict()
     for block, h in blocks_and_prompts:
         block_of[h], hash_of[block] = block, h
@@ -177,10 +196,12 @@ def check_allocate_block_drops_the_hash_before_reuse(mod) -> None:
     free, block_of, hash_of, evictor = _zoo_cache([(3, a), (5, b)])
     got = mod.allocate_block(free, block_of, hash_of, evictor)
     assert got == 3, f"the least recently used cached block is 3, got {got}"
-    assert a not in block_of, ("block 3 will hold other tokens, but its old hash still leads to it: the next "
-                               "request with that prefix would read the wrong K/V (a stale hash)")
+    assert a not in block_of, (
+        "block 3 will hold other tokens, but its old hash still leads to it: the next "
+        "request with that prefix would read the wrong K/V (a stale hash)")
     assert 3 not in hash_of, "block 3 has no hash any more: remove it from hash_of too"
-    assert block_of == {b: 5} and hash_of == {5: b} and list(evictor) == [5], "block 5 must stay cached"
+    assert block_of == {b: 5} and hash_of == {5: b} and list(evictor) == [5], (
+        "block 5 must stay cached")
 
 
 def check_allocate_block_takes_free_blocks_first_then_the_least_recently_used(mod) -> None:
@@ -189,7 +210,8 @@ def check_allocate_block_takes_free_blocks_first_then_the_least_recently_used(mo
     free, block_of, hash_of, evictor = _zoo_cache([(4, hashes[0]), (1, hashes[1]), (6, hashes[2])])
     free.extend([0, 2])
     got = [mod.allocate_block(free, block_of, hash_of, evictor) for _ in range(5)]
-    assert got == [0, 2, 4, 1, 6], f"expected the free blocks 0, 2, then the cached 4, 1, 6 (LRU first), got {got}"
+    assert got == [0, 2, 4, 1, 6], (
+        f"expected the free blocks 0, 2, then the cached 4, 1, 6 (LRU first), got {got}")
     assert block_of == {} and hash_of == {}, "every evicted block's hash must be gone"
     assert raises(lambda: mod.allocate_block(free, block_of, hash_of, evictor), RuntimeError), (
         "no free and no cached block: RuntimeError")
@@ -205,10 +227,13 @@ def check_allocate_block_takes_free_blocks_first_then_the_least_recently_used(mo
 def check_request_cache_key_keeps_tenants_apart(mod) -> None:
     a = mod.request_cache_key("m", "v1", "acme")
     b = mod.request_cache_key("m", "v1", "globex")
-    assert a != b, (f"two tenants' private keys are equal ({a}): tenant globex would hit acme's private blocks, "
-                    "and could time a guess of acme's prompt")
-    assert a == mod.request_cache_key("m", "v1", "acme", "private"), "scope None with a tenant is private"
-    assert mod.request_cache_key("m", "v1", "acme", "public") == mod.request_cache_key("m", "v1", "globex", "public")
+    assert a != b, (
+        f"two tenants' private keys are equal ({a}): tenant globex would hit acme's private "
+        "blocks, and could time a guess of acme's prompt")
+    assert a == mod.request_cache_key("m", "v1", "acme", "private"), (
+        "scope None with a tenant is private")
+    assert (mod.request_cache_key("m", "v1", "acme", "public")
+            == mod.request_cache_key("m", "v1", "globex", "public"))
 
 
 def check_request_cache_key_matches_the_engine(mod) -> None:
@@ -217,12 +242,14 @@ def check_request_cache_key_matches_the_engine(mod) -> None:
             for tenant in (None, "acme", "globex"):
                 for scope in (None, "private", PUBLIC_SCOPE):
                     if scope == "private" and tenant is None:
-                        assert raises(lambda m=model_id, t=template: mod.request_cache_key(m, t, None, "private"),
-                                      ValueError), "scope='private' without a tenant must raise ValueError"
+                        assert raises(lambda m=model_id, t=template:
+                                      mod.request_cache_key(m, t, None, "private"), ValueError), (
+                            "scope='private' without a tenant must raise ValueError")
                         continue
                     got = mod.request_cache_key(model_id, template, tenant, scope)
                     want = cache_key(model_id, template, tenant, scope)
-                    assert tuple(got) == want, (f"request_cache_key({model_id!r}, {template!r}, {tenant!r}, "
-                                                f"{scope!r}) = {got}, the engine's key is {want}")
+                    assert tuple(got) == want, (
+                        f"request_cache_key({model_id!r}, {template!r}, {tenant!r}, "
+                        f"{scope!r}) = {got}, the engine's key is {want}")
     assert raises(lambda: mod.request_cache_key("m", None, "acme", "shared"), ValueError), (
         "scope='shared' is not a scope: ValueError")

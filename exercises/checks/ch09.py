@@ -1,9 +1,10 @@
-"""Checks for chapter 09: inter-token latencies and TPOT from token timestamps, the nearest-rank percentile,
-and goodput from a table of requests.
+"""Checks for chapter 09: inter-token latencies and TPOT from token timestamps, the nearest-rank
+percentile, and goodput from a table of requests.
 
-Each `check_<claim>(mod)` runs against the student's `exercises/ch09_serving_metrics.py` or the reference
-in `exercises/solutions/`. The oracles are numbers worked by hand and engine/companions/metrics.py itself
-(`RequestTiming.itl_s`, `RequestTiming.tpot_s`, `nearest_rank`, `goodput` with an `SLO`).
+Each `check_<claim>(mod)` runs against the student's `exercises/ch09_serving_metrics.py` or the
+reference in `exercises/solutions/`. The oracles are numbers worked by hand and
+engine/companions/metrics.py itself (`RequestTiming.itl_s`, `RequestTiming.tpot_s`, `nearest_rank`,
+`goodput` with an `SLO`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ def _random_token_times(rng: random.Random) -> list[float]:
     return times
 
 
-# ---- inter-token latencies and TPOT ---------------------------------------------------------------------
+# ---- inter-token latencies and TPOT --------------------------------------------------------------
 
 
 def check_inter_token_latencies_are_the_gaps_between_consecutive_tokens(mod) -> None:
-    _close_list(mod.inter_token_latencies(HAND_TIMES), [0.5, 0.1, 1.0], f"inter_token_latencies({HAND_TIMES})")
-    _close_list(mod.inter_token_latencies([3.0]), [], "inter_token_latencies([3.0]) (one token: no gap)")
+    _close_list(mod.inter_token_latencies(HAND_TIMES), [0.5, 0.1, 1.0],
+                f"inter_token_latencies({HAND_TIMES})")
+    _close_list(mod.inter_token_latencies([3.0]), [],
+                "inter_token_latencies([3.0]) (one token: no gap)")
 
 
 def check_inter_token_latencies_match_the_engine(mod) -> None:
@@ -56,19 +59,22 @@ def check_inter_token_latencies_match_the_engine(mod) -> None:
     for _ in range(TRIALS):
         times = _random_token_times(rng)
         want = RequestTiming("r", 0.0, times).itl_s
-        _close_list(mod.inter_token_latencies(times), want, f"inter_token_latencies of {len(times)} tokens")
+        _close_list(mod.inter_token_latencies(times), want,
+                    f"inter_token_latencies of {len(times)} tokens")
 
 
 def check_tpot_divides_the_decode_time_by_the_gaps_not_the_tokens(mod) -> None:
     _close(mod.time_per_output_token(HAND_TIMES), 1.6 / 3,
-           f"time_per_output_token({HAND_TIMES}) (1.6 s over 3 gaps; dividing by 4 tokens gives 0.4)")
+           f"time_per_output_token({HAND_TIMES}) (1.6 s over 3 gaps; "
+           "dividing by 4 tokens gives 0.4)")
     _close(mod.time_per_output_token([5.0, 5.25]), 0.25, "time_per_output_token([5.0, 5.25])")
 
 
 def check_tpot_of_a_single_token_is_nan(mod) -> None:
     got = mod.time_per_output_token([0.7])
-    assert isinstance(got, float) and math.isnan(got), \
-        f"time_per_output_token([0.7]) = {got!r}: one token has no pace, return math.nan (0 would look perfect)"
+    assert isinstance(got, float) and math.isnan(got), (
+        f"time_per_output_token([0.7]) = {got!r}: one token has no pace, return math.nan "
+        "(0 would look perfect)")
 
 
 def check_tpot_is_the_mean_of_the_inter_token_latencies(mod) -> None:
@@ -89,20 +95,22 @@ def check_tpot_matches_the_engine(mod) -> None:
         want = RequestTiming("r", 0.0, times, finish_time=times[-1]).tpot_s
         got = mod.time_per_output_token(times)
         if math.isnan(want):
-            assert isinstance(got, float) and math.isnan(got), f"time_per_output_token({times}) = {got!r}, expected nan"
+            assert isinstance(got, float) and math.isnan(got), (
+                f"time_per_output_token({times}) = {got!r}, expected nan")
         else:
             _close(got, want, f"time_per_output_token of {len(times)} tokens")
 
 
-# ---- percentiles ------------------------------------------------------------------------------------------
+# ---- percentiles ---------------------------------------------------------------------------------
 
 
 def check_nearest_rank_by_hand(mod) -> None:
-    cases = [([4, 1, 3, 2], 50, 2), ([4, 1, 3, 2], 75, 3), ([4, 1, 3, 2], 76, 4), ([10, 20, 30, 40], 25, 10),
-             (list(range(1, 21)), 99, 20), (list(range(1, 21)), 95, 19), (list(range(1, 101)), 99, 99),
-             ([7.5], 1, 7.5), ([3, 1, 2], 100, 3)]
+    cases = [([4, 1, 3, 2], 50, 2), ([4, 1, 3, 2], 75, 3), ([4, 1, 3, 2], 76, 4),
+             ([10, 20, 30, 40], 25, 10), (list(range(1, 21)), 99, 20), (list(range(1, 21)), 95, 19),
+             (list(range(1, 101)), 99, 99), ([7.5], 1, 7.5), ([3, 1, 2], 100, 3)]
     for values, q, want in cases:
-        _close(mod.nearest_rank(values, q), want, f"nearest_rank({values if len(values) < 6 else '...'}, {q})")
+        _close(mod.nearest_rank(values, q), want,
+               f"nearest_rank({values if len(values) < 6 else '...'}, {q})")
 
 
 def check_nearest_rank_is_always_an_observed_value(mod) -> None:
@@ -111,7 +119,8 @@ def check_nearest_rank_is_always_an_observed_value(mod) -> None:
         values = [rng.lognormvariate(0, 1) for _ in range(rng.randint(1, 40))]
         for q in (10, 50, 90, 95, 99):
             got = mod.nearest_rank(values, q)
-            assert got in values, f"nearest_rank(..., {q}) = {got!r} is not one of the values (no interpolation)"
+            assert got in values, (
+                f"nearest_rank(..., {q}) = {got!r} is not one of the values (no interpolation)")
 
 
 def check_nearest_rank_matches_the_engine(mod) -> None:
@@ -125,12 +134,14 @@ def check_nearest_rank_matches_the_engine(mod) -> None:
 
 def check_nearest_rank_refuses_q_outside_0_to_100(mod) -> None:
     for q in (0, -5, 100.5):
-        raises_naming("q", lambda q=q: mod.nearest_rank([1.0, 2.0], q), f"nearest_rank([1, 2], {q})")
+        raises_naming("q", lambda q=q: mod.nearest_rank([1.0, 2.0], q),
+                      f"nearest_rank([1, 2], {q})")
     got = mod.nearest_rank([], 50)
-    assert isinstance(got, float) and math.isnan(got), f"nearest_rank([], 50) = {got!r}, expected nan"
+    assert isinstance(got, float) and math.isnan(got), (
+        f"nearest_rank([], 50) = {got!r}, expected nan")
 
 
-# ---- goodput -------------------------------------------------------------------------------------------------
+# ---- goodput -------------------------------------------------------------------------------------
 
 
 def _row(ttft_ms, tpot_ms, reason="stop") -> dict:
@@ -139,14 +150,17 @@ def _row(ttft_ms, tpot_ms, reason="stop") -> dict:
 
 def check_goodput_counts_only_requests_within_both_limits(mod) -> None:
     table = [_row(100, 20), _row(900, 20), _row(100, 90), _row(700, 70), _row(150, 30, "length")]
-    # SLO: TTFT <= 200 ms and TPOT <= 50 ms. Met: rows 0 and 4; row 1 misses TTFT, row 2 TPOT, row 3 both.
+    # SLO: TTFT <= 200 ms and TPOT <= 50 ms.
+    # Met: rows 0 and 4; row 1 misses TTFT, row 2 TPOT, row 3 both.
     _close(mod.goodput(table, 200, 50, 2.0), 2 / 2.0, "goodput of the 5-request table over 2 s")
 
 
 def check_goodput_is_per_second_of_the_run(mod) -> None:
     table = [_row(100, 20)] * 6 + [_row(500, 20)] * 2
-    _close(mod.goodput(table, 200, 50, 4.0), 6 / 4.0, "goodput: 6 of 8 requests met the SLO in a 4 s run")
-    raises_naming("duration_s", lambda: mod.goodput(table, 200, 50, 0.0), "goodput(..., duration_s=0)")
+    _close(mod.goodput(table, 200, 50, 4.0), 6 / 4.0,
+           "goodput: 6 of 8 requests met the SLO in a 4 s run")
+    raises_naming("duration_s", lambda: mod.goodput(table, 200, 50, 0.0),
+                  "goodput(..., duration_s=0)")
 
 
 def check_goodput_judges_a_one_token_answer_by_its_ttft(mod) -> None:
@@ -156,12 +170,14 @@ def check_goodput_judges_a_one_token_answer_by_its_ttft(mod) -> None:
 
 def check_goodput_never_counts_an_aborted_request(mod) -> None:
     table = [_row(50, 10, "abort"), _row(50, 10, "stop"), _row(50, None, "abort")]
-    _close(mod.goodput(table, 200, 50, 1.0), 1.0, "goodput with aborted requests (they are never good)")
+    _close(mod.goodput(table, 200, 50, 1.0), 1.0,
+           "goodput with aborted requests (they are never good)")
 
 
 def check_goodput_counts_a_limit_met_exactly(mod) -> None:
     table = [_row(200, 50), _row(200.001, 50), _row(200, 50.001)]
-    _close(mod.goodput(table, 200, 50, 1.0), 1.0, "goodput: TTFT exactly 200 ms and TPOT exactly 50 ms is met")
+    _close(mod.goodput(table, 200, 50, 1.0), 1.0,
+           "goodput: TTFT exactly 200 ms and TPOT exactly 50 ms is met")
 
 
 def check_goodput_matches_the_engine(mod) -> None:
@@ -176,4 +192,5 @@ def check_goodput_matches_the_engine(mod) -> None:
             timings.append(timing)
             table.append(_row(timing.ttft_s * 1e3, None if n < 2 else timing.tpot_s * 1e3, reason))
         want = engine_goodput(timings, SLO(ttft_s=0.4, tpot_s=0.05), 10.0).per_s
-        _close(mod.goodput(table, 400, 50, 10.0), want, f"goodput of {len(table)} random requests over 10 s")
+        _close(mod.goodput(table, 400, 50, 10.0), want,
+               f"goodput of {len(table)} random requests over 10 s")

@@ -19,7 +19,8 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (and any tied with the k-th); 0, -1 or k >= V: keep all."""
+    """Keep the k largest logits of each row (and any tied with the k-th);
+    0, -1 or k >= V: keep all."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits.clone()
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
@@ -37,8 +38,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits.clone()
     sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
     sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [..., V]
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)  # [..., 1]: the boundary token is the last one
+    # mass of the more likely tokens
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    # [..., 1]: the boundary token is the last one
+    n_keep = (mass_before < p).sum(dim=-1, keepdim=True)
     boundary = sorted_logits.gather(-1, n_keep - 1)  # [..., 1], the boundary token's logit
     return logits.masked_fill(logits < boundary, NEG_INF)  # comparing values keeps every tie
 
@@ -52,8 +55,8 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
-def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor], prompt_ids: Sequence[int],
-                   max_new_tokens: int, eos_id: int) -> list[int]:
+def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor],
+                   prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int) -> list[int]:
     """Greedy decoding with no cache: every step, the model reads the whole sequence again."""
     ids = list(prompt_ids)
     new_ids: list[int] = []

@@ -15,14 +15,17 @@ def decode_step_flops(matmul_params: int, layers: int, heads: int, head_dim: int
                       context_tokens: int) -> int:
     """FLOPs of one decode step: every sequence of the batch adds one token."""
     matmuls = FLOPS_PER_MAC * matmul_params * batch
-    attention = ATTENTION_FLOPS_PER_PAIR_PER_DIM * layers * heads * head_dim * context_tokens * batch
+    attention = (ATTENTION_FLOPS_PER_PAIR_PER_DIM * layers * heads * head_dim * context_tokens
+                 * batch)
     return matmuls + attention
 
 
 def decode_step_bytes(weight_params: int, layers: int, kv_heads: int, head_dim: int, batch: int,
                       context_tokens: int, weight_bytes: float, kv_bytes: float) -> float:
-    """Bytes one decode step moves: the weights once, the context's KV read, the new token's KV written."""
-    kv_per_token = KV_TENSORS * layers * batch * kv_heads * head_dim * kv_bytes  # for all B sequences
+    """Bytes one decode step moves: the weights once, the context's KV read,
+    the new token's KV written."""
+    # for all B sequences
+    kv_per_token = KV_TENSORS * layers * batch * kv_heads * head_dim * kv_bytes
     return weight_params * weight_bytes + kv_per_token * context_tokens + kv_per_token * 1
 
 

@@ -66,27 +66,31 @@ class BlockAllocator:
             raise ValueError(f"block {block} is already free (double free, or never allocated)")
 
 
-def slot_mapping(block_table: Sequence[int], block_size: int, positions: Sequence[int]) -> list[int]:
+def slot_mapping(block_table: Sequence[int], block_size: int,
+                 positions: Sequence[int]) -> list[int]:
     """slot(p) = block_table[p // BS] * BS + p % BS for each position p."""
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def append_tokens(block_table: Sequence[int], num_tokens: int, new_tokens: int, block_size: int,
                   allocate_fn: Callable[[], int]) -> list[int]:
-    """The table after `new_tokens` more tokens: one new block per BS slots spilled past the last one."""
+    """The table after `new_tokens` more tokens:
+    one new block per BS slots spilled past the last one."""
     needed = math.ceil((num_tokens + new_tokens) / block_size) - len(block_table)
     return [*block_table, *(allocate_fn() for _ in range(needed))]
 
 
-def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: int, block_size: int,
+def fork_copy_on_write(block_table: Sequence[int], num_tokens: int, new_tokens: int,
+                       block_size: int,
                        allocator: BlockAllocator) -> tuple[list[int], list[tuple[int, int]]]:
-    """A child shares the parent's blocks, then writes `new_tokens`: returns (child table, copies)."""
+    """A child shares the parent's blocks, then writes `new_tokens`:
+    returns (child table, copies)."""
     child, copies = list(block_table), []
     for block in child:  # the fork: one more table holds each block
         allocator.incref(block)
     if new_tokens and num_tokens % block_size != 0:  # the last block is shared and partly filled
         copy = allocator.allocate()
-        allocator.free(child[-1])  # the child lets go of the shared block; the parent still holds it
+        allocator.free(child[-1])  # the child lets go; the parent still holds the shared block
         copies.append((child[-1], copy))
         child[-1] = copy
     return append_tokens(child, num_tokens, new_tokens, block_size, allocator.allocate), copies
@@ -108,5 +112,6 @@ def paged_waste(lengths: Sequence[int], block_size: int) -> int:
 
 
 def concurrency_gain(max_len: int, mean_len: float, block_size: int) -> float:
-    """How many times more sequences fit in the same KV memory with paging than with max_len reservations."""
+    """How many times more sequences fit in the same KV memory with paging
+    than with max_len reservations."""
     return max_len / (mean_len + expected_waste_slots(block_size))

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 
 def schedule_step(running: Sequence[tuple[str, int, int]], waiting: Sequence[tuple[str, int, int]],
-                  token_budget: int, max_num_seqs: int, free_blocks: int) -> tuple[list[str], list[str]]:
+                  token_budget: int, max_num_seqs: int,
+                  free_blocks: int) -> tuple[list[str], list[str]]:
     budget, blocks = token_budget, free_blocks
     ran, admitted = [], []
     for rid, tokens, need in running:
@@ -61,5 +62,6 @@ def static_idle_fraction(output_lengths: Sequence[int], max_num_seqs: int) -> fl
         raise ValueError(f"output_lengths must be a non-empty list of lengths >= 1, got {lengths}")
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    held = sum(max_num_seqs * max(lengths[i:i + max_num_seqs]) for i in range(0, len(lengths), max_num_seqs))
+    held = sum(max_num_seqs * max(lengths[i:i + max_num_seqs])
+               for i in range(0, len(lengths), max_num_seqs))
     return 1.0 - sum(lengths) / held

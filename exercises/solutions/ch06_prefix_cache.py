@@ -1,5 +1,6 @@
-"""Chapter 06, reference answers: block hashes, the longest cached prefix, the tokens a hit saves, and the
-bug zoo fixed (the last token recomputed, the hash dropped before a block is reused, the tenant in the key)."""
+"""Chapter 06, reference answers: block hashes, the longest cached prefix, the tokens a hit saves,
+and the bug zoo fixed (the last token recomputed, the hash dropped before a block is reused, the
+tenant in the key)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from engine.kv.prefix_cache import block_hashes as engine_block_hashes
 
 
 def block_hash(parent: str | None, token_ids: Sequence[int], extra_keys: Sequence) -> str:
-    payload = json.dumps([parent, [int(t) for t in token_ids], list(extra_keys)], separators=(",", ":"))
+    payload = json.dumps(
+        [parent, [int(t) for t in token_ids], list(extra_keys)], separators=(",", ":"))
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
@@ -26,8 +28,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Sequence
     return out
 
 
-def find_cached_prefix(token_ids: Sequence[int], extra_keys: Sequence, max_tokens: int, block_size: int,
-                       cached: Mapping[str, int]) -> list[int]:
+def find_cached_prefix(token_ids: Sequence[int], extra_keys: Sequence, max_tokens: int,
+                       block_size: int, cached: Mapping[str, int]) -> list[int]:
     blocks = []
     for h in block_hashes(token_ids[:max_tokens], block_size, extra_keys):
         if h not in cached:
@@ -38,15 +40,17 @@ def find_cached_prefix(token_ids: Sequence[int], extra_keys: Sequence, max_token
 
 def cached_prefix_tokens(prompt_len: int, shared_len: int, block_size: int) -> int:
     if prompt_len < 1 or not 0 <= shared_len <= prompt_len or block_size < 1:
-        raise ValueError(f"need 1 <= prompt_len, 0 <= shared_len <= prompt_len, block_size >= 1; got "
-                         f"prompt_len={prompt_len}, shared_len={shared_len}, block_size={block_size}")
+        raise ValueError("need 1 <= prompt_len, 0 <= shared_len <= prompt_len, block_size >= 1; "
+                         f"got prompt_len={prompt_len}, shared_len={shared_len}, "
+                         f"block_size={block_size}")
     return min(shared_len, prompt_len - 1) // block_size * block_size
 
 
 def plan_prefill(token_ids: Sequence[int], block_size: int, extra_keys: Sequence,
                  cached: Mapping[str, int]) -> tuple[list[int], int]:
     blocks = []
-    for h in engine_block_hashes(token_ids[:len(token_ids) - 1], block_size, extra_keys):  # never the last token
+    # never the last token
+    for h in engine_block_hashes(token_ids[:len(token_ids) - 1], block_size, extra_keys):
         if h not in cached:
             break
         blocks.append(cached[h])

@@ -15,14 +15,16 @@ GRANULARITIES = ("per-tensor", "per-channel", 128, 64, 32)  # coarse (fewest byt
 
 def int4_scale_and_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The asymmetric grid through a group's min and max: 0 maps to lo, 15 to hi (0 stays exact)."""
-    lo, hi = lo.clamp(max=0), hi.clamp(min=0)  # keep 0.0 inside the range, so zero weights stay zero
+    # keep 0.0 inside the range, so zero weights stay zero
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     scale = ((hi - lo) / INT4_MAX).clamp(min=TINY_SCALE)
     zero = (-lo / scale).round().clamp(0, INT4_MAX)
     return scale, zero
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
-    """Per-group int4 with zero points: weight [N, K] -> QuantizedWeight (codes packed two per byte)."""
+    """Per-group int4 with zero points:
+    weight [N, K] -> QuantizedWeight (codes packed two per byte)."""
     n, k = weight.shape
     if group_size < 1 or k % group_size or group_size % 2:
         raise ValueError(f"group_size: {group_size} must be even and divide K = {k}")
@@ -30,11 +32,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
     scale, zero = int4_scale_and_zero(groups.amin(-1), groups.amax(-1))  # [N, K/G] each
     q = (groups / scale[..., None] + zero[..., None]).round().clamp(0, INT4_MAX)  # [N, K/G, G]
     q = q.reshape(n, k).to(torch.uint8)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]: even k in the low nibble, odd k in the high one
+    # [N, K/2]: even k in the low nibble, odd k in the high one
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return QuantizedWeight(4, packed, scale, zero, group_size, (n, k))
 
 
-def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(qw)^T (+ bias) -> [..., N], computed in fp32, returned in x.dtype."""
     n, k = qw.shape
     if qw.bits == 8:
@@ -42,7 +46,8 @@ def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     else:
         low, high = qw.qweight & 0xF, qw.qweight >> 4  # [N, K/2] each: inputs 2j and 2j + 1
         q = torch.stack((low, high), dim=-1).reshape(n, k).float()  # [N, K/2, 2] -> [N, K]
-    per_group = k // qw.scales.shape[1]  # inputs per (scale, zero): G, or K per channel / per tensor
+    # inputs per (scale, zero): G, or K per channel / per tensor
+    per_group = k // qw.scales.shape[1]
     w = q if qw.zeros is None else q - qw.zeros.expand(n, -1).repeat_interleave(per_group, dim=1)
     w = w * qw.scales.expand(n, -1).repeat_interleave(per_group, dim=1)  # [N, K]
     y = x.float() @ w.T  # [..., N]
@@ -75,7 +80,8 @@ def pick_granularity(weight: torch.Tensor, bits: int, max_error: float,
 
 
 def quantized_bytes(n: int, k: int, bits: int, group_size: int) -> int:
-    """Bytes of an [N, K] weight: the codes plus an fp32 scale per group (int4: and an fp32 zero)."""
+    """Bytes of an [N, K] weight:
+    the codes plus an fp32 scale per group (int4: and an fp32 zero)."""
     groups = n * (k // group_size)
     meta = SCALE_BYTES + (ZERO_BYTES if bits == 4 else 0)
     return n * k * bits // 8 + groups * meta

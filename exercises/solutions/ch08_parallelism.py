@@ -1,5 +1,6 @@
-"""Chapter 08 reference answers: a linear layer split column- and row-wise (and run as W simulated ranks),
-the bytes a tensor-parallel group all-reduces per token, the pipeline bubble, and the smallest TP that fits."""
+"""Chapter 08 reference answers: a linear layer split column- and row-wise (and run as W simulated
+ranks), the bytes a tensor-parallel group all-reduces per token, the pipeline bubble, and the
+smallest TP that fits."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
 from engine.companions.memory import dtype_bytes, kv_bytes_per_token
+from engine.config import ModelConfig
 
-ALLREDUCES_PER_LAYER = 2  # attention's o_proj and the MLP's down_proj are row-parallel: one all-reduce each
-RING_PASSES = 2  # a ring all-reduce is a reduce-scatter and then an all-gather, each (W - 1)/W of the message
-RESERVE_FRACTION = 0.10  # engine/companions/memory.py's ACTIVATION_RESERVE_FRACTION: kept back for activations
+# attention's o_proj and the MLP's down_proj are row-parallel: one all-reduce each
+ALLREDUCES_PER_LAYER = 2
+# a ring all-reduce is a reduce-scatter and then an all-gather, each (W - 1)/W of the message
+RING_PASSES = 2
+# engine/companions/memory.py's ACTIVATION_RESERVE_FRACTION: kept back for activations
+RESERVE_FRACTION = 0.10
 
 
 def column_shard(weight: torch.Tensor, bias: torch.Tensor | None, rank: int,
@@ -36,28 +40,34 @@ def row_shard(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return weight[:, start:stop]  # [out, in_r]
 
 
-def tensor_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, world: int,
-                           kind: str) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed by `world` simulated ranks, split by `kind` ("column" or "row")."""
+def tensor_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           world: int, kind: str) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed by `world` simulated ranks,
+    split by `kind` ("column" or "row")."""
     if kind == "column":
-        parts = [F.linear(x, *column_shard(weight, bias, rank, world)) for rank in range(world)]  # W x [..., out_r]
-        return torch.cat(parts, dim=-1)  # the all-gather: the ranks' outputs side by side, [..., out]
+        # W x [..., out_r]
+        parts = [F.linear(x, *column_shard(weight, bias, rank, world)) for rank in range(world)]
+        # the all-gather: the ranks' outputs side by side, [..., out]
+        return torch.cat(parts, dim=-1)
     if kind == "row":
         total, start = None, 0
         for rank in range(world):
             w = row_shard(weight, rank, world)  # [out, in_r]
-            partial = F.linear(x[..., start:start + w.shape[1]], w)  # [..., out]: this rank's partial sum
-            total = partial if total is None else total + partial  # the all-reduce adds the W partial sums
+            # [..., out]: this rank's partial sum
+            partial = F.linear(x[..., start:start + w.shape[1]], w)
+            total = partial if total is None else total + partial  # all-reduce adds W partial sums
             start += w.shape[1]
         return total if bias is None else total + bias  # the bias once, after the sum
     raise ValueError(f"kind={kind!r} must be 'column' or 'row'")
 
 
 def allreduce_bytes_per_token(model: ModelConfig, tp: int, dtype) -> float:
-    """Bytes each GPU of a TP group sends per token: L x 2 all-reduces x 2 (TP - 1)/TP x E x bytes."""
+    """Bytes each GPU of a TP group sends per token:
+    L x 2 all-reduces x 2 (TP - 1)/TP x E x bytes."""
     if tp < 1:
         raise ValueError(f"tp={tp!r} must be >= 1 (GPUs in the tensor-parallel group)")
-    message = model.hidden_size * dtype_bytes(dtype)  # one token's [E] output of o_proj or down_proj
+    # one token's [E] output of o_proj or down_proj
+    message = model.hidden_size * dtype_bytes(dtype)
     per_allreduce = RING_PASSES * (tp - 1) / tp * message
     return model.num_hidden_layers * ALLREDUCES_PER_LAYER * per_allreduce
 
@@ -73,18 +83,22 @@ def pipeline_bubble(num_stages: int, num_micro_batches: int) -> float:
 
 def pick_layout(model: ModelConfig, device_memory_bytes: int, num_devices: int, context_tokens: int,
                 dtype="bf16") -> tuple[int, int]:
-    """The smallest TP whose shard fits one sequence of `context_tokens`, and the replicas: (tp, num_devices // tp)."""
+    """The smallest TP whose shard fits one sequence of `context_tokens`, and the replicas:
+    (tp, num_devices // tp)."""
     H, Hkv, I = model.num_attention_heads, model.num_key_value_heads, model.intermediate_size
     reserve = math.ceil(device_memory_bytes * RESERVE_FRACTION)
     for tp in range(1, num_devices + 1):
         if H % tp or I % tp or (Hkv % tp and tp % Hkv):
-            continue  # whole query heads, whole MLP columns, whole (or copied) KV heads on every GPU
+            continue  # whole query heads, whole MLP columns, whole (or copied) KV heads per GPU
         shard = replace(model, num_attention_heads=H // tp, num_key_value_heads=max(1, Hkv // tp),
                         intermediate_size=I // tp, vocab_size=math.ceil(model.vocab_size / tp))
-        weights = math.ceil(shard.num_params() * dtype_bytes(dtype))  # one GPU's share of the weights
-        kv = context_tokens * kv_bytes_per_token(shard, dtype)  # one sequence's KV, this GPU's heads
+        # one GPU's share of the weights
+        weights = math.ceil(shard.num_params() * dtype_bytes(dtype))
+        # one sequence's KV, this GPU's heads
+        kv = context_tokens * kv_bytes_per_token(shard, dtype)
         if weights + reserve + kv <= device_memory_bytes:
             return tp, num_devices // tp
-    raise ValueError(f"num_devices={num_devices}: no TP from 1 to {num_devices} fits {model.name} with "
-                     f"{context_tokens:,} tokens of context in {device_memory_bytes:,} bytes a GPU; add "
-                     f"GPUs, take bigger ones, shorten the context or use a smaller dtype")
+    raise ValueError(f"num_devices={num_devices}: no TP from 1 to {num_devices} fits {model.name} "
+                     f"with {context_tokens:,} tokens of context in {device_memory_bytes:,} "
+                     "bytes a GPU; add GPUs, take bigger ones, shorten the context or use "
+                     "a smaller dtype")

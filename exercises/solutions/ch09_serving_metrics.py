@@ -1,5 +1,5 @@
-"""Chapter 09 reference answers: inter-token latencies and TPOT from token timestamps, the nearest-rank
-percentile, and goodput from a table of requests."""
+"""Chapter 09 reference answers: inter-token latencies and TPOT from token timestamps, the
+nearest-rank percentile, and goodput from a table of requests."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def inter_token_latencies(token_times: Sequence[float]) -> list[float]:
 
 
 def time_per_output_token(token_times: Sequence[float]) -> float:
-    """TPOT = (last token - first token) / (n - 1): the mean gap after the first token; nan below 2 tokens."""
+    """TPOT = (last token - first token) / (n - 1): the mean gap after the first token;
+    nan below 2 tokens."""
     n = len(token_times)
     if n < 2:
         return math.nan  # one token has no gap: its pace is not defined
@@ -32,9 +33,10 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
     return ordered[max(rank, 1) - 1]
 
 
-def goodput(requests: Sequence[Mapping], ttft_slo_ms: float, tpot_slo_ms: float, duration_s: float) -> float:
-    """Requests per second of the run that met BOTH limits; aborted requests never count, and a one-token
-    answer (tpot_ms None) is judged by its TTFT alone."""
+def goodput(requests: Sequence[Mapping], ttft_slo_ms: float, tpot_slo_ms: float,
+            duration_s: float) -> float:
+    """Requests per second of the run that met BOTH limits; aborted requests never count, and a
+    one-token answer (tpot_ms None) is judged by its TTFT alone."""
     if not duration_s > 0:
         raise ValueError(f"duration_s={duration_s!r} must be > 0 seconds")
     met = 0

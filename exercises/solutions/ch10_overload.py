@@ -1,6 +1,6 @@
-"""Chapter 10 reference answers: a token bucket, the Retry-After header, the queue caps' decision, the
-max_num_queued_tokens that keeps TTFT near a target, and the two halves of a run that the troubleshooting
-order compares."""
+"""Chapter 10 reference answers: a token bucket, the Retry-After header, the queue caps' decision,
+the max_num_queued_tokens that keeps TTFT near a target, and the two halves of a run that the
+troubleshooting order compares."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from engine.serving.diagnose import RequestSplit
 
 
 class TokenBucket:
-    """`burst` tokens at most, refilled at `rate_per_s` per second; it starts full. Time is whatever `now` says."""
+    """`burst` tokens at most, refilled at `rate_per_s` per second; it starts full.
+    Time is whatever `now` says."""
 
     def __init__(self, rate_per_s: float, burst: float):
         for name, value in (("rate_per_s", rate_per_s), ("burst", burst)):
@@ -44,7 +45,8 @@ def retry_after_header(retry_after_s: float | None) -> str | None:
 
 
 def queue_cap_rejection(num_requests: int, num_queued_tokens: int, num_prompt_tokens: int,
-                        max_num_queued_reqs: int | None, max_num_queued_tokens: int | None) -> str | None:
+                        max_num_queued_reqs: int | None,
+                        max_num_queued_tokens: int | None) -> str | None:
     """The cap a new request would break ("max_num_queued_reqs" first), or None to admit it."""
     if max_num_queued_reqs is not None and num_requests >= max_num_queued_reqs:
         return "max_num_queued_reqs"
@@ -56,14 +58,16 @@ def queue_cap_rejection(num_requests: int, num_queued_tokens: int, num_prompt_to
 
 def max_num_queued_tokens_for(ttft_target_s: float, prefill_tokens_per_s: float) -> int:
     """The largest whole number of queued prompt tokens prefilled within the target (at least 1)."""
-    for name, value in (("ttft_target_s", ttft_target_s), ("prefill_tokens_per_s", prefill_tokens_per_s)):
+    for name, value in (("ttft_target_s", ttft_target_s),
+                        ("prefill_tokens_per_s", prefill_tokens_per_s)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name}={value!r} must be a positive number")
     return max(1, math.floor(ttft_target_s * prefill_tokens_per_s))
 
 
 def arrival_halves(splits: list[RequestSplit]) -> tuple[list[RequestSplit], list[RequestSplit]]:
-    """The requests that arrived before the middle of the arrival window, and the rest (split by time)."""
+    """The requests that arrived before the middle of the arrival window, and the rest
+    (split by time)."""
     if not splits:
         return [], []
     mid = (splits[0].arrival_time + splits[-1].arrival_time) / 2

@@ -4,12 +4,12 @@
     out = flash_prefill_attention(q, k, v, scale, backend="triton")   # q [T, H, D], k/v [T, Hkv, D]
 
 Backends: "torch" is ``flash_attention_ref`` (the tiled online softmax, readable), "naive" is
-``causal_attention_naive`` (the whole [H, T, T] score matrix: the oracle), "triton" and "cuda"
-the kernels, "native" the same schedule in C on the CPU (cpu_native.c: what the engine's native backend runs
-for whole prompts). A backend that cannot run here (no GPU for "cuda"; Triton missing, or CPU tensors
-without ``TRITON_INTERPRET=1``) falls back to "torch" with a RuntimeWarning that says why
-(Python shows it once per call site). Triton and the CUDA extension are imported only when
-asked for, so importing this package is cheap.
+``causal_attention_naive`` (the whole [H, T, T] score matrix: the oracle), "triton" and "cuda" the
+kernels, "native" the same schedule in C on the CPU (cpu_native.c: what the engine's native backend
+runs for whole prompts). A backend that cannot run here (no GPU for "cuda"; Triton missing, or CPU
+tensors without ``TRITON_INTERPRET=1``) falls back to "torch" with a RuntimeWarning that says why
+(Python shows it once per call site). Triton and the CUDA extension are imported only when asked
+for, so importing this package is cheap.
 """
 
 from __future__ import annotations
@@ -35,17 +35,19 @@ __all__ = [
 
 
 def resolve_backend(backend: str, device, dtype: torch.dtype = torch.float32) -> str:
-    """The backend that will really run for tensors on ``device`` (warns when it is not ``backend``)."""
+    """The backend that will really run for tensors on ``device`` (warns when it is not
+    ``backend``)."""
     if backend == "native":
         from .cpu_native import why_native_cannot_run
 
         why = why_native_cannot_run(torch.empty(0, device=device, dtype=dtype))
         if why is None:
             return "native"
-        warnings.warn(f"flash prefill backend 'native' cannot run here: {why}; using 'torch' instead",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"flash prefill backend 'native' cannot run here: {why}; "
+                      "using 'torch' instead", RuntimeWarning, stacklevel=3)
         return "torch"
-    return chosen_backend(backend, BACKENDS, device, "kernels.flash_prefill.triton", "flash prefill")
+    return chosen_backend(backend, BACKENDS, device, "kernels.flash_prefill.triton",
+                          "flash prefill")
 
 
 def flash_prefill_attention(q, k, v, scale: float, backend: str = "torch"):

@@ -1,11 +1,14 @@
-"""The C flash-prefill kernel (cpu_native.c) through ctypes: causal attention of whole prompts, all at once.
+"""The C flash-prefill kernel (cpu_native.c) through ctypes: causal attention of whole prompts, all
+at once.
 
-    out = flash_prefill_native(q, k, v, scale)                         # one prompt: q [T, H, D], k/v [T, Hkv, D]
-    out = flash_prefill_native(q, k, v, scale, prompts=[(0, 40), (41, 95)])  # two prompts (row 40: not one)
+    # one prompt: q [T, H, D], k/v [T, Hkv, D]
+    out = flash_prefill_native(q, k, v, scale)
+    # two prompts (row 40: not one)
+    out = flash_prefill_native(q, k, v, scale, prompts=[(0, 40), (41, 95)])
 
-q, k and v may be column slices of a fused QKV projection's output (each row's heads side by side, any row
-stride): nothing is copied before the call. fp32 or bf16; the result is contiguous [N, H, D] in that dtype.
-Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels).
+q, k and v may be column slices of a fused QKV projection's output (each row's heads side by side,
+any row stride): nothing is copied before the call. fp32 or bf16; the result is contiguous [N, H, D]
+in that dtype. Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
+    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests
+    pass others)."""
     lib = build_c_library(C_FILE, "flash prefill kernel", flags)
-    lib.servelab_flash_prefill.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64,
-                                           _i64, _i64, ctypes.c_float, _ptr]
+    lib.servelab_flash_prefill.argtypes = [ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr,
+                                           _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
     lib.servelab_flash_prefill.restype = ctypes.c_int
     return lib
 
@@ -47,20 +51,23 @@ def why_native_cannot_run(q: torch.Tensor) -> str | None:
 
 
 def _rows_of_heads(name: str, t: torch.Tensor) -> None:
-    """The C kernel reads row i, head h at data_ptr + i * stride(0) + h * D: heads side by side in a row."""
+    """The C kernel reads row i, head h at data_ptr + i * stride(0) + h * D: heads side by side in a
+    row."""
     if t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != t.shape[2]):
-        raise ValueError(f"{name}: each row's heads must lie side by side (strides (*, {t.shape[2]}, 1)), "
-                         f"got strides {tuple(t.stride())}")
+        raise ValueError(f"{name}: each row's heads must lie side by side "
+                         f"(strides (*, {t.shape[2]}, 1)), got strides {tuple(t.stride())}")
 
 
 def check_prompts(prompts, num_tokens: int) -> list[tuple[int, int]]:
-    """prompts: (lo, hi) row ranges, in order and apart, inside 0 .. N (prompt b is rows lo .. hi - 1)."""
+    """prompts: (lo, hi) row ranges, in order and apart, inside 0 .. N (prompt b is rows
+    lo .. hi - 1)."""
     out, end = [], 0
     for pair in prompts:
         lo, hi = (int(x) for x in pair)
         if not end <= lo < hi <= num_tokens:
-            raise ValueError(f"prompts: expected (lo, hi) row ranges in order, apart, with at least one row, inside "
-                             f"0 .. {num_tokens}; got {list(prompts)}")
+            raise ValueError("prompts: expected (lo, hi) row ranges in order, apart, "
+                             f"with at least one row, inside 0 .. {num_tokens}; "
+                             f"got {list(prompts)}")
         out.append((lo, hi))
         end = hi
     if not out:
@@ -69,9 +76,9 @@ def check_prompts(prompts, num_tokens: int) -> list[tuple[int, int]]:
 
 
 def flash_prefill_native(q, k, v, scale: float, prompts=None):
-    """Causal attention of each prompt over itself: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D] contiguous.
-    ``prompts``: (lo, hi) row ranges, one per prompt (None: one prompt of all N rows); rows outside every range
-    are left uninitialized in the result."""
+    """Causal attention of each prompt over itself: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]
+    contiguous. ``prompts``: (lo, hi) row ranges, one per prompt (None: one prompt of all N rows);
+    rows outside every range are left uninitialized in the result."""
     check_flash_inputs(q, k, v, scale)
     why = why_native_cannot_run(q)
     if why is not None:
@@ -85,11 +92,11 @@ def flash_prefill_native(q, k, v, scale: float, prompts=None):
 
 
 def flash_prefill_planned(q, k, v, scale: float, bounds: torch.Tensor, out: torch.Tensor) -> None:
-    """`flash_prefill_native` with nothing re-checked (the engine checks once per step): bounds int64 [B, 2]
-    contiguous, out [N, H, D] contiguous in q's dtype, written in the prompts' rows."""
+    """`flash_prefill_native` with nothing re-checked (the engine checks once per step): bounds
+    int64 [B, 2] contiguous, out [N, H, D] contiguous in q's dtype, written in the prompts' rows."""
     _, H, D = q.shape
     failed = _library().servelab_flash_prefill(
-        DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        bounds.data_ptr(), bounds.shape[0], H, k.shape[1], D, scale, out.data_ptr())
+        DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), bounds.data_ptr(), bounds.shape[0], H, k.shape[1], D, scale, out.data_ptr())
     if failed:
         raise MemoryError("the C flash-prefill kernel could not allocate its scratch")

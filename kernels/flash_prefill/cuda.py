@@ -32,13 +32,15 @@ def load_cuda_extension():
 
 
 def flash_attention_cuda(q, k, v, scale: float):
-    """Same contract as ``causal_attention_naive``: q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]."""
+    """Same contract as ``causal_attention_naive``: q [T, H, D], k/v [T, Hkv, D] -> out
+    [T, H, D]."""
     check_flash_inputs(q, k, v, scale)
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs tensors on a CUDA device, got {q.device}; "
                          "use backend 'torch' or 'triton' on the CPU")
     if q.shape[2] > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim D = {q.shape[2]} is above the kernel's maximum {MAX_HEAD_DIM}")
+        raise ValueError(f"q: head dim D = {q.shape[2]} is above the kernel's maximum "
+                         f"{MAX_HEAD_DIM}")
     ext = load_cuda_extension()
     return ext.flash_prefill(q.contiguous(), k.contiguous(), v.contiguous(), float(scale))
 

@@ -45,8 +45,10 @@ def check_flash_inputs(q, k, v, scale: float) -> None:
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
             _fail(name, f"{t.dtype} on {t.device} must match q's {q.dtype} on {q.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
-        _fail("scale", f"must be a finite float > 0 (usually 1/sqrt(D) = {head_dim ** -0.5:.4g}), got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not 0 < scale < float("inf"):
+        _fail("scale", f"must be a finite float > 0 (usually 1/sqrt(D) = {head_dim ** -0.5:.4g}), "
+                       f"got {scale!r}")
 
 
 def _check_block(name: str, block) -> None:
@@ -55,7 +57,8 @@ def _check_block(name: str, block) -> None:
 
 
 def _expand_kv(x, num_heads: int):
-    """[T, Hkv, D] -> [T, H, D] in fp32: each KV head repeated for its group of H / Hkv query heads."""
+    """[T, Hkv, D] -> [T, H, D] in fp32: each KV head repeated for its group of H / Hkv query
+    heads."""
     return x.float().repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
@@ -83,7 +86,8 @@ def causal_attention_naive(q, k, v, scale: float):
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)  # [T, H, D]
 
 
-def flash_attention_ref(q, k, v, scale: float, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK):
+def flash_attention_ref(q, k, v, scale: float, block_q: int = DEFAULT_BLOCK,
+                        block_k: int = DEFAULT_BLOCK):
     """The same result, one (query tile, key tile) at a time, with the online softmax.
 
     We cut the T x T score matrix into tiles of block_q queries x block_k keys. Causality means
@@ -118,13 +122,14 @@ def flash_attention_ref(q, k, v, scale: float, block_q: int = DEFAULT_BLOCK, blo
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     for q_start in range(0, num_tokens, block_q):
         q_end = min(q_start + block_q, num_tokens)
-        out[q_start:q_end] = _one_query_tile(q[q_start:q_end].float(), k[:q_end], v[:q_end], q_start,
-                                             scale, block_k).to(q.dtype)
+        out[q_start:q_end] = _one_query_tile(q[q_start:q_end].float(), k[:q_end], v[:q_end],
+                                             q_start, scale, block_k).to(q.dtype)
     return out
 
 
 def _one_query_tile(q_tile, k, v, q_start: int, scale: float, block_k: int):
-    """q_tile [Tq, H, D] fp32 at positions q_start.. ; k, v [L, H, D] fp32, L = the last query + 1."""
+    """q_tile [Tq, H, D] fp32 at positions q_start.. ; k, v [L, H, D] fp32, L = the last
+    query + 1."""
     tile_len, num_heads, head_dim = q_tile.shape
     q_pos = torch.arange(q_start, q_start + tile_len, device=q_tile.device)  # [Tq]
     m = torch.full((num_heads, tile_len), float("-inf"), device=q_tile.device)  # running max
@@ -134,7 +139,8 @@ def _one_query_tile(q_tile, k, v, q_start: int, scale: float, block_k: int):
         k_end = min(k_start + block_k, k.shape[0])
         s = torch.einsum("qhd,khd->hqk", q_tile, k[k_start:k_end]) * scale  # [H, Tq, Tk]
         k_pos = torch.arange(k_start, k_end, device=q_tile.device)
-        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))  # only bites on the diagonal
+        # only bites on the diagonal
+        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1))  # finite: key 0 (in the first tile) is seen by all
         p = torch.exp(s - m_new[..., None])  # [H, Tq, Tk]
         alpha = torch.exp(m - m_new)  # [H, Tq]; 0 on the first tile (m = -inf)

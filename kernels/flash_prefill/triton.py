@@ -94,7 +94,8 @@ def _flash_prefill_kernel(
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running max, in log2 units
     l_i = tl.zeros([BLOCK_Q], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_Q, D_PAD], tl.float32)  # running sum of p * V
-    hi = tl.minimum((q_tile + 1) * BLOCK_Q, num_tokens)  # keys past this tile's last query: never needed
+    # keys past this tile's last query: never needed
+    hi = tl.minimum((q_tile + 1) * BLOCK_Q, num_tokens)
     for k_start in range(0, hi, BLOCK_K):
         pos_k = k_start + offs_k  # [BK]
         kv_mask = (pos_k < num_tokens)[:, None] & d_mask[None, :]
@@ -110,7 +111,8 @@ def _flash_prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + pos_k[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [BK, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)  # [BQ, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v,
+                                            input_precision=PRECISION)  # [BQ, D]
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -122,24 +124,30 @@ def _flash_prefill_kernel(
 
 
 def _check_tile(name: str, block) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or block < MIN_DOT_SIZE or block & (block - 1):
-        raise ValueError(f"{name}: must be a power of two >= {MIN_DOT_SIZE} (tl.dot tiles), got {block!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < MIN_DOT_SIZE \
+            or block & (block - 1):
+        raise ValueError(f"{name}: must be a power of two >= {MIN_DOT_SIZE} (tl.dot tiles), "
+                         f"got {block!r}")
 
 
 def _dot_dtype(dtype: torch.dtype):
-    """The type tl.dot multiplies in: the storage type (tensor cores take fp16/bf16 as they are), except
-    bfloat16 under the CPU interpreter, whose tl.dot misreads bf16 bits (Triton 3.9): fp32 there."""
+    """The type tl.dot multiplies in: the storage type (tensor cores take fp16/bf16 as they are),
+    except bfloat16 under the CPU interpreter, whose tl.dot misreads bf16 bits (Triton 3.9): fp32
+    there."""
     if dtype == torch.bfloat16:
         return tl.float32 if runs_on_cpu() else tl.bfloat16
     return {torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
 
 
-def flash_attention_triton(q, k, v, scale: float, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK):
-    """Same contract as ``causal_attention_naive``: q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]."""
+def flash_attention_triton(q, k, v, scale: float, block_q: int = DEFAULT_BLOCK,
+                           block_k: int = DEFAULT_BLOCK):
+    """Same contract as ``causal_attention_naive``: q [T, H, D], k/v [T, Hkv, D] -> out
+    [T, H, D]."""
     check_flash_inputs(q, k, v, scale)
     _check_tile("block_q", block_q)
     _check_tile("block_k", block_k)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # D must be unit-stride
+    # D must be unit-stride
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     dot_dtype = _dot_dtype(q.dtype)
@@ -151,7 +159,8 @@ def flash_attention_triton(q, k, v, scale: float, block_q: int = DEFAULT_BLOCK, 
         GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
         D_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
         BLOCK_Q=block_q, BLOCK_K=block_k, DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # 16-bit inputs: exact products anyway
+        # 16-bit inputs: exact products anyway
+        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
     )
     return out
 

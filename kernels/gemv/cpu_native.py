@@ -21,14 +21,16 @@ import torch
 from kernels.toolchain import build_c_library, cached_library
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
-GEMV_MAX_ROWS = 16  # rows of x the kernel takes: a decode step of up to 16 sequences (more rows: a GEMM's job)
+# rows of x the kernel takes: a decode step of up to 16 sequences (more rows: a GEMM's job)
+GEMV_MAX_ROWS = 16
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # -> the C function's `bf16` flag
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
+    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests
+    pass others)."""
     lib = build_c_library(C_FILE, "matrix-vector kernel", flags)
     lib.servelab_gemv.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr]
     lib.servelab_gemv.restype = None
@@ -49,12 +51,14 @@ def why_gemv_cannot_run(weight: torch.Tensor) -> str | None:
     return why_library_cannot_load()
 
 
-def gemv_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 contiguous, M in 1..GEMV_MAX_ROWS -> fp32 [M, N]. The caller has checked ``weight``
-    (``why_gemv_cannot_run``) and gives ``bias`` as fp32 [N] or None: this is a hot path, nothing is re-checked
-    but the rows."""
+def gemv_native(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 contiguous, M in 1..GEMV_MAX_ROWS -> fp32 [M, N]. The caller has checked
+    ``weight`` (``why_gemv_cannot_run``) and gives ``bias`` as fp32 [N] or None: this is a hot path,
+    nothing is re-checked but the rows."""
     M, K = x.shape
-    if not 1 <= M <= GEMV_MAX_ROWS or K != weight.shape[1] or x.dtype != torch.float32 or not x.is_contiguous():
+    if not 1 <= M <= GEMV_MAX_ROWS or K != weight.shape[1] or x.dtype != torch.float32 \
+            or not x.is_contiguous():
         raise ValueError(f"x: expected fp32 contiguous [1..{GEMV_MAX_ROWS}, {weight.shape[1]}], "
                          f"got {x.dtype} {tuple(x.shape)}")
     N = weight.shape[0]

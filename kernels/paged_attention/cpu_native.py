@@ -1,19 +1,22 @@
-"""The "native" backend: paged decode attention in C (cpu_native.c), reading K/V straight out of the pools.
+"""The "native" backend: paged decode attention in C (cpu_native.c), reading K/V straight out of the
+pools.
 
     out = paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, scale, backend="native")
 
 The "sdpa" backend copies every sequence's K and V out of the pool (a gather), masks the padding and
-calls torch's fused attention; at decode time, one query per sequence, the copies and the call's fixed
-costs are most of the work. The C kernel follows the block table instead (the reference's loop, written
-in C: see the diagram in cpu_native.c), reads each K and V row once for the query heads that share it
-(GQA), and computes in fp32 like the reference, so it equals ``paged_decode_attention_ref`` up to the
-order of the float additions. fp32, bf16 and int8 pools (with their scales); fp16 pools and GPU tensors
-are not its job (``why_native_cannot_run`` says so, and the engine then uses "sdpa").
+calls torch's fused attention; at decode time, one query per sequence, the copies and the call's
+fixed costs are most of the work. The C kernel follows the block table instead (the reference's
+loop, written in C: see the diagram in cpu_native.c), reads each K and V row once for the query
+heads that share it (GQA), and computes in fp32 like the reference, so it equals
+``paged_decode_attention_ref`` up to the order of the float additions. fp32, bf16 and int8 pools
+(with their scales); fp16 pools and GPU tensors are not its job (``why_native_cannot_run`` says so,
+and the engine then uses "sdpa").
 
-Prefill is left to "sdpa": with many queries per sequence, attention is a real matrix product and torch's
-flash kernel (tiled, online softmax) is the right tool; the copy is small beside it.
+Prefill is left to "sdpa": with many queries per sequence, attention is a real matrix product and
+torch's flash kernel (tiled, online softmax) is the right tool; the copy is small beside it.
 
-Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels), called through ctypes.
+Compiled on first use (kernels/toolchain.py, cached in ~/.cache/servelab/kernels), called through
+ctypes.
 """
 
 from __future__ import annotations
@@ -30,20 +33,24 @@ from .reference import check_paged_inputs
 
 C_FILE = Path(__file__).with_name("cpu_native.c")
 KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # pool dtype -> the C file's enum
-IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # query/output dtype -> servelab_paged_decode_rows' io_bf16
+# query/output dtype -> servelab_paged_decode_rows' io_bf16
+IO_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 NO_WINDOW = 0  # the C kernel's "every position is visible"
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def load_library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests pass others)."""
+    """Compile (or find in the cache) and load cpu_native.c; ``flags`` None: this machine's (tests
+    pass others)."""
     lib = build_c_library(C_FILE, "paged decode attention kernel", flags)
-    lib.servelab_paged_decode.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                                          _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
+    lib.servelab_paged_decode.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+                                          _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                          ctypes.c_float, _ptr]
     lib.servelab_paged_decode.restype = ctypes.c_int
-    lib.servelab_paged_decode_rows.argtypes = [ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                               _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr]
+    lib.servelab_paged_decode_rows.argtypes = [ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _ptr,
+                                               _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                               _i64, _i64, ctypes.c_float, _ptr]
     lib.servelab_paged_decode_rows.restype = ctypes.c_int
     return lib
 
@@ -52,7 +59,8 @@ _library, why_library_cannot_load = cached_library(load_library)  # built on fir
 
 
 def why_native_cannot_run(device, pool_dtype: torch.dtype | None = None) -> str | None:
-    """None if the C kernel can run on pools of ``pool_dtype`` on ``device``, else the reason in words."""
+    """None if the C kernel can run on pools of ``pool_dtype`` on ``device``, else the reason in
+    words."""
     if torch.device(device).type != "cpu":
         return f"it is a CPU kernel and the KV pools are on {device}"
     if pool_dtype is not None and pool_dtype not in KV_KINDS:
@@ -62,7 +70,8 @@ def why_native_cannot_run(device, pool_dtype: torch.dtype | None = None) -> str 
 
 @dataclass
 class NativeDecodePlan:
-    """One step's decode tables as C reads them, checked and made contiguous once for all L layers."""
+    """One step's decode tables as C reads them, checked and made contiguous once for all L
+    layers."""
 
     block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [B] int32, contiguous
@@ -76,20 +85,25 @@ def plan_decode_native(block_tables, seq_lens, sliding_window: int | None) -> Na
 
 
 def decode_native_planned(q, k_pool, v_pool, plan: NativeDecodePlan, scale: float, scales=None):
-    """One layer, nothing re-checked: q [B, H, D] -> [B, H, D] contiguous in q's dtype. fp32 and bf16 queries are
-    read where they lie (rows with any stride, e.g. the query columns of the fused QKV output; each row's heads side
-    by side); others are copied to fp32 first, the kernel's arithmetic."""
+    """One layer, nothing re-checked: q [B, H, D] -> [B, H, D] contiguous in q's dtype. fp32 and
+    bf16 queries are read where they lie (rows with any stride, e.g. the query columns of the fused
+    QKV output; each row's heads side by side); others are copied to fp32 first, the kernel's
+    arithmetic."""
     B, H, D = q.shape
     _, BS, Hkv, _ = k_pool.shape
-    io = q if q.dtype in IO_DTYPES and q.stride(2) == 1 and (H == 1 or q.stride(1) == D) else q.float().contiguous()
+    io = (q if q.dtype in IO_DTYPES and q.stride(2) == 1 and (H == 1 or q.stride(1) == D)
+          else q.float().contiguous())
     out = torch.empty((B, H, D), dtype=io.dtype)
-    k_scale, v_scale = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
+    k_scale, v_scale = ((None, None) if scales is None
+                        else (scales[0].data_ptr(), scales[1].data_ptr()))
     failed = _library().servelab_paged_decode_rows(
         KV_KINDS[k_pool.dtype], IO_DTYPES[io.dtype], io.data_ptr(), io.stride(0), k_pool.data_ptr(),
-        v_pool.data_ptr(), k_scale, v_scale, plan.block_tables.data_ptr(), plan.block_tables.shape[1],
-        plan.seq_lens.data_ptr(), B, H, Hkv, D, BS, plan.window, scale, out.data_ptr())
+        v_pool.data_ptr(), k_scale, v_scale, plan.block_tables.data_ptr(),
+        plan.block_tables.shape[1], plan.seq_lens.data_ptr(), B, H, Hkv, D, BS, plan.window, scale,
+        out.data_ptr())
     if failed:
-        raise MemoryError(f"the native attention kernel could not allocate scratch for {B} sequences")
+        raise MemoryError(f"the native attention kernel could not allocate scratch for {B} "
+                          "sequences")
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
@@ -107,5 +121,6 @@ def paged_decode_attention_native(q, k_pool, v_pool, block_tables, seq_lens, sca
         raise ValueError("scales: the native kernel needs contiguous scale tensors")
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    return decode_native_planned(q, k_pool, v_pool, plan_decode_native(block_tables, seq_lens, sliding_window),
+    return decode_native_planned(q, k_pool, v_pool,
+                                 plan_decode_native(block_tables, seq_lens, sliding_window),
                                  scale, scales)

@@ -34,25 +34,29 @@ def load_cuda_extension():
 
 def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
                                 sliding_window: int | None = None, scales=None):
-    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D] (float pools only)."""
+    """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D] (float pools
+    only)."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
     if scales is not None:
-        raise ValueError("scales: the CUDA kernel reads float pools only; use backend 'torch' or 'triton' for int8 KV")
+        raise ValueError("scales: the CUDA kernel reads float pools only; "
+                         "use backend 'torch' or 'triton' for int8 KV")
     if q.device.type != "cuda":
         raise ValueError(f"q: the CUDA kernel needs tensors on a CUDA device, got {q.device}")
     if q.shape[2] > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim D = {q.shape[2]} is above the kernel's maximum {MAX_HEAD_DIM}")
+        raise ValueError(f"q: head dim D = {q.shape[2]} is above the kernel's maximum "
+                         f"{MAX_HEAD_DIM}")
     smem_bytes = (q.shape[2] + 2 * k_pool.shape[1]) * 4
     if smem_bytes > MAX_SMEM_BYTES:
         max_bs = (MAX_SMEM_BYTES // 4 - q.shape[2]) // 2
-        raise ValueError(f"k_pool: block size BS = {k_pool.shape[1]} needs {smem_bytes} bytes of shared "
-                         f"memory, above {MAX_SMEM_BYTES}; use BS <= {max_bs}")
+        raise ValueError(f"k_pool: block size BS = {k_pool.shape[1]} needs {smem_bytes} bytes "
+                         f"of shared memory, above {MAX_SMEM_BYTES}; use BS <= {max_bs}")
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         if pool.stride(-1) != 1:
-            raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), got {pool.stride()}")
+            raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), "
+                             f"got {pool.stride()}")
     ext = load_cuda_extension()
-    return ext.paged_decode(q.contiguous(), k_pool, v_pool, block_tables.contiguous(), seq_lens.contiguous(),
-                            float(scale), int(sliding_window or 0))
+    return ext.paged_decode(q.contiguous(), k_pool, v_pool, block_tables.contiguous(),
+                            seq_lens.contiguous(), float(scale), int(sliding_window or 0))
 
 
 def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:

@@ -28,11 +28,13 @@ Three functions, all written for reading, not speed:
 - ``paged_prefill_attention_ref``: a chunk of queries of one sequence, causally.
 The ``check_*`` functions define the input contract that every backend enforces first.
 
-KV int8 (chapter 07, ``kv_cache_dtype="int8"``): the pools hold int8 values and every token's K (and V)
-row of every KV head has its own fp32 scale, ``scales = (k_scale, v_scale)``, each [NB, BS, Hkv]::
+KV int8 (chapter 07, ``kv_cache_dtype="int8"``): the pools hold int8 values and every token's K (and
+V) row of every KV head has its own fp32 scale, ``scales = (k_scale, v_scale)``, each
+[NB, BS, Hkv]::
 
     write:  scale = max|x| / 127 over the D values of one token and head;  q = round(x / scale)
-    read:   x ~ q * scale            (error <= scale / 2 per value; a row's outlier only hurts its own row)
+    read:   x ~ q * scale            (error <= scale / 2 per value; a row's outlier only hurts
+                                      its own row)
 
 So a token costs D + 4 bytes per head instead of 2D (bf16) or 4D (fp32).
 """
@@ -44,7 +46,8 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INT8_MAX = 127  # symmetric int8: values -127..127 (we never use -128, so the range is symmetric)
 INDEX_DTYPE = torch.int32  # block tables and lengths: 2^31 blocks is far beyond any pool
-NULL_BLOCK = -1  # a table entry whose block was freed (it fell out of the sliding window); never read
+# a table entry whose block was freed (it fell out of the sliding window); never read
+NULL_BLOCK = -1
 
 
 def first_visible_position(seq_len, sliding_window: int | None):
@@ -52,13 +55,16 @@ def first_visible_position(seq_len, sliding_window: int | None):
     an int tensor): 0 without a window, else max(0, seq_len - W)."""
     if sliding_window is None:
         return seq_len * 0
-    return (seq_len - sliding_window).clamp(min=0) if torch.is_tensor(seq_len) else max(0, seq_len - sliding_window)
+    return ((seq_len - sliding_window).clamp(min=0) if torch.is_tensor(seq_len)
+            else max(0, seq_len - sliding_window))
 
 
 def check_sliding_window(sliding_window) -> None:
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
-        _fail("sliding_window", f"must be an integer >= 1 or None (no window), got {sliding_window!r}")
+        _fail("sliding_window", "must be an integer >= 1 or None (no window), "
+                                f"got {sliding_window!r}")
 
 
 # ---- the input contract ------------------------------------------------------------------------
@@ -81,12 +87,15 @@ def check_kv_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, scales=None) -> N
         _fail("v_pool", f"{v_pool.dtype} on {v_pool.device} must match "
                         f"k_pool's {k_pool.dtype} on {k_pool.device}")
     if (k_pool.dtype == torch.int8) != (scales is not None):
-        _fail("scales", "int8 pools need scales = (k_scale, v_scale) and float pools take none; got "
-                        f"{'none' if scales is None else 'scales'} for {k_pool.dtype} pools")
-    for name, scale in zip(("k_scale", "v_scale"), scales, strict=True) if scales is not None else ():
-        if scale.shape != k_pool.shape[:3] or scale.dtype != torch.float32 or scale.device != k_pool.device:
-            _fail(name, f"expected fp32 [NB, BS, Hkv] = {list(k_pool.shape[:3])} on {k_pool.device}, got "
-                        f"{scale.dtype} {list(scale.shape)} on {scale.device}")
+        _fail("scales", "int8 pools need scales = (k_scale, v_scale) and float pools take none; "
+                        f"got {'none' if scales is None else 'scales'} for {k_pool.dtype} pools")
+    for name, scale in (zip(("k_scale", "v_scale"), scales, strict=True) if scales is not None
+                        else ()):
+        if scale.shape != k_pool.shape[:3] or scale.dtype != torch.float32 \
+                or scale.device != k_pool.device:
+            _fail(name, f"expected fp32 [NB, BS, Hkv] = {list(k_pool.shape[:3])} "
+                        f"on {k_pool.device}, got {scale.dtype} {list(scale.shape)} "
+                        f"on {scale.device}")
 
 
 def _check_index_tensor(name, t, dims, device, dtypes=(INDEX_DTYPE,)):
@@ -108,7 +117,8 @@ def check_block_tables(block_tables, seq_lens, num_blocks: int, block_size: int,
     tables_name, lens_name = names
     batch, max_blocks = block_tables.shape
     if seq_lens.shape != (batch,):
-        _fail(lens_name, f"shape {tuple(seq_lens.shape)} must be [B] = [{batch}] (rows of {tables_name})")
+        _fail(lens_name, f"shape {tuple(seq_lens.shape)} must be [B] = [{batch}] "
+                         f"(rows of {tables_name})")
     capacity = max_blocks * block_size
     bad_len = (seq_lens < 1) | (seq_lens > capacity)
     if bad_len.any():
@@ -131,12 +141,15 @@ def _check_query(q, k_pool, scale: float) -> None:
     """q is [T, H, D] with the pools' D, dtype and device, and H a multiple of Hkv."""
     num_kv_heads, head_dim = k_pool.shape[2:]
     if q.dim() != 3 or q.shape[2] != head_dim:
-        _fail("q", f"expected [B or T, H, D] with D = {head_dim} (the pools' head dim), got {tuple(q.shape)}")
+        _fail("q", f"expected [B or T, H, D] with D = {head_dim} (the pools' head dim), "
+                   f"got {tuple(q.shape)}")
     if q.shape[1] % num_kv_heads != 0:
         _fail("q", f"H = {q.shape[1]} query heads must be a multiple of Hkv = {num_kv_heads}")
-    wanted = FLOAT_DTYPES if k_pool.dtype == torch.int8 else (k_pool.dtype,)  # int8 pools: any float query
+    # int8 pools: any float query
+    wanted = FLOAT_DTYPES if k_pool.dtype == torch.int8 else (k_pool.dtype,)
     if q.dtype not in wanted or q.device != k_pool.device:
-        _fail("q", f"{q.dtype} on {q.device} must match the pools' {k_pool.dtype} on {k_pool.device}")
+        _fail("q", f"{q.dtype} on {q.device} must match the pools' {k_pool.dtype} "
+                   f"on {k_pool.device}")
     if not scale > 0:
         _fail("scale", f"must be > 0 (usually 1/sqrt(D)), got {scale}")
 
@@ -164,10 +177,12 @@ def check_write_inputs(k, v, k_pool, v_pool, slot_mapping, scales=None) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
     for name, t in (("k", k), ("v", v)):
         if t.shape != (k.shape[0], num_kv_heads, head_dim):
-            _fail(name, f"expected [N, Hkv, D] = [N, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
+            _fail(name, f"expected [N, Hkv, D] = [N, {num_kv_heads}, {head_dim}], "
+                        f"got {tuple(t.shape)}")
         wanted = FLOAT_DTYPES if k_pool.dtype == torch.int8 else (k_pool.dtype,)
         if t.dtype not in wanted or t.device != k_pool.device:
-            _fail(name, f"{t.dtype} on {t.device} must match the pools' {k_pool.dtype} on {k_pool.device}")
+            _fail(name, f"{t.dtype} on {t.device} must match the pools' {k_pool.dtype} "
+                        f"on {k_pool.device}")
     _check_index_tensor("slot_mapping", slot_mapping, 1, k.device, dtypes=(torch.int64,))
     if slot_mapping.shape[0] != k.shape[0]:
         _fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for N = {k.shape[0]} tokens")
@@ -175,33 +190,38 @@ def check_write_inputs(k, v, k_pool, v_pool, slot_mapping, scales=None) -> None:
     bad = (slot_mapping < 0) | (slot_mapping >= num_slots)
     if bad.any():
         i = int(bad.nonzero()[0, 0])
-        _fail("slot_mapping", f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside 0..{num_slots - 1}")
+        _fail("slot_mapping", f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside "
+                              f"0..{num_slots - 1}")
 
 
 def check_prefill_inputs(q, k_pool, v_pool, block_table, q_positions, scale: float,
                          sliding_window: int | None = None, scales=None) -> tuple[int, int]:
-    """The chunked-prefill contract (every prefill backend enforces it first): q [Tq, H, D], one position
-    per query, all inside the table, every table entry the queries read inside the pool. Returns
-    (context_len, first): the keys the chunk reads are positions first .. context_len - 1."""
+    """The chunked-prefill contract (every prefill backend enforces it first): q [Tq, H, D], one
+    position per query, all inside the table, every table entry the queries read inside the pool.
+    Returns (context_len, first): the keys the chunk reads are positions
+    first .. context_len - 1."""
     check_kv_pools(k_pool, v_pool, scales)
     _check_query(q, k_pool, scale)
     check_sliding_window(sliding_window)
     _check_index_tensor("block_table", block_table, 1, q.device)
-    _check_index_tensor("q_positions", q_positions, 1, q.device, dtypes=(torch.int32, torch.int64))
+    _check_index_tensor("q_positions", q_positions, 1, q.device,
+                        dtypes=(torch.int32, torch.int64))
     if q_positions.shape[0] != q.shape[0] or q.shape[0] == 0:
-        _fail("q_positions", f"needs one position per query: {q_positions.shape[0]} for Tq = {q.shape[0]}")
+        _fail("q_positions", f"needs one position per query: {q_positions.shape[0]} "
+                             f"for Tq = {q.shape[0]}")
     if int(q_positions.min()) < 0:
         _fail("q_positions", f"positions must be >= 0, got {int(q_positions.min())}")
     context_len = int(q_positions.max()) + 1
     capacity = block_table.shape[0] * k_pool.shape[1]
     if context_len > capacity:
         _fail("q_positions", f"max position {context_len - 1} is outside 0..{capacity - 1} "
-                             f"(block_table holds {block_table.shape[0]} blocks x BS {k_pool.shape[1]})")
+                             f"(block_table holds {block_table.shape[0]} blocks "
+                             f"x BS {k_pool.shape[1]})")
     # The earliest query sees furthest back: from min(q) - W + 1.
     first = first_visible_position(int(q_positions.min()) + 1, sliding_window)
     seq_lens = torch.tensor([context_len], dtype=INDEX_DTYPE, device=q.device)
-    check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2], names=("block_table", "q_positions"),
-                       first_positions=seq_lens * 0 + first)
+    check_block_tables(block_table[None], seq_lens, *k_pool.shape[:2],
+                       names=("block_table", "q_positions"), first_positions=seq_lens * 0 + first)
     return context_len, first
 
 
@@ -209,7 +229,8 @@ def check_prefill_inputs(q, k_pool, v_pool, block_table, q_positions, scale: flo
 
 
 def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, Hkv, D] float -> (int8 [N, Hkv, D], fp32 scales [N, Hkv]): one scale per token and head."""
+    """[N, Hkv, D] float -> (int8 [N, Hkv, D], fp32 scales [N, Hkv]): one scale per token and
+    head."""
     x = x.float()
     scale = x.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX  # [N, Hkv]
     q = (x / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -267,8 +288,10 @@ def paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale:
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
         first = first_visible_position(seq_len, sliding_window)
-        k, v = gather_kv(k_pool, v_pool, block_tables[b], seq_len, first // block_size, scales)  # [L, Hkv, D]
-        k, v = k[first % block_size:], v[first % block_size:]  # drop the block's slots before the window
+        # [L, Hkv, D]
+        k, v = gather_kv(k_pool, v_pool, block_tables[b], seq_len, first // block_size, scales)
+        # drop the block's slots before the window
+        k, v = k[first % block_size:], v[first % block_size:]
         out[b] = _attend(q[b : b + 1], k, v, scale)[0]
     return out
 

@@ -101,13 +101,15 @@ def _paged_decode_kernel(
     q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G, D]
     seq_len = tl.load(seq_lens_ptr + seq)
-    first = tl.maximum(seq_len - window, 0)  # sliding window: the first position we read (window = 0: none)
+    # sliding window: the first position we read (window = 0: none)
+    first = tl.maximum(seq_len - window, 0)
     first = tl.where(window > 0, first, 0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, in log2 units
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p * V
-    for j in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):  # blocks before the window: skipped
+    # blocks before the window: skipped
+    for j in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
         phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
         pos = j * BLOCK_SIZE + offs_s
         s_mask = (offs_s < BLOCK_SIZE) & (pos < seq_len) & (pos >= first)  # [BS]
@@ -165,13 +167,15 @@ def _write_kv_kernel(
 
 def _require_unit_stride(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
-        raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), got strides {t.stride()}")
+        raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), "
+                         f"got strides {t.stride()}")
 
 
 def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
                                   sliding_window: int | None = None, scales=None):
     """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]; int8 pools are
-    dequantized in registers, block by block (the pool is read as int8: a quarter of fp32's bytes)."""
+    dequantized in registers, block by block (the pool is read as int8: a quarter of fp32's
+    bytes)."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
     _require_unit_stride("k_pool", k_pool)
     _require_unit_stride("v_pool", v_pool)
@@ -180,7 +184,8 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, sca
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     batch, num_heads, head_dim = q.shape
-    k_scale, v_scale = (t.contiguous() for t in scales) if scales is not None else (seq_lens, seq_lens)  # unused
+    k_scale, v_scale = ((t.contiguous() for t in scales) if scales is not None
+                        else (seq_lens, seq_lens))  # unused
     _, block_size, num_kv_heads, _ = k_pool.shape
     group = num_heads // num_kv_heads
     if batch == 0:
@@ -202,7 +207,8 @@ def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, sca
 
 
 def write_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
-    """Same contract as ``write_kv_ref``: token i's K/V rows go to slot slot_mapping[i], in place."""
+    """Same contract as ``write_kv_ref``: token i's K/V rows go to slot slot_mapping[i], in
+    place."""
     check_write_inputs(k, v, k_pool, v_pool, slot_mapping)
     _require_unit_stride("k_pool", k_pool)
     _require_unit_stride("v_pool", v_pool)

@@ -8,7 +8,8 @@ Triton and CUDA, chosen by name.
 Backends (``BACKENDS``):
     "torch"   reference.py: dequantize the whole W to fp32, then matmul (readable, slow)
     "packed"  cpu_packed.py: torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu (bf16 inside)
-    "native"  cpu_native.py: cpu_native.c, integer dot products on x rounded to int8 per 32 inputs (C, AVX2)
+    "native"  cpu_native.py: cpu_native.c, integer dot products on x rounded to int8 per 32 inputs
+              (C, AVX2)
     "triton"  triton.py: a fused dequant-GEMV (on CPU tensors only under TRITON_INTERPRET=1)
     "cuda"    quant_matmul.cu through cuda.py (a CUDA GPU)
 
@@ -78,14 +79,15 @@ def resolve_backend(backend: str, qw: QuantizedWeight) -> str:
     why = why_backend_cannot_run(backend, qw)
     if why is None:
         return backend
-    warnings.warn(f"quantized matmul backend {backend!r} cannot run here: {why}; using 'torch' instead",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"quantized matmul backend {backend!r} cannot run here: {why}; "
+                  "using 'torch' instead", RuntimeWarning, stacklevel=3)
     return "torch"
 
 
 def prepare(qw: QuantizedWeight, backend: str):
-    """What ``quant_matmul`` needs besides ``qw`` for this backend, built once: torch's packed layout
-    for "packed", the checked pointers for "native", None for the others (they read ``qw`` as it is)."""
+    """What ``quant_matmul`` needs besides ``qw`` for this backend, built once: torch's packed
+    layout for "packed", the checked pointers for "native", None for the others (they read ``qw`` as
+    it is)."""
     if backend == "packed":
         from .cpu_packed import prepack
 
@@ -107,7 +109,9 @@ def quant_matmul(x, qw: QuantizedWeight, bias=None, backend: str = "torch", prep
     if chosen == "packed":
         from .cpu_packed import quant_matmul_packed
 
-        return quant_matmul_packed(x, qw, prepared if prepared is not None else prepare(qw, "packed"), bias)
+        return quant_matmul_packed(x, qw,
+                                   prepared if prepared is not None else prepare(qw, "packed"),
+                                   bias)
     if chosen == "native":
         from .cpu_native import quant_matmul_native
 

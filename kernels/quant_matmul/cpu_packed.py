@@ -1,9 +1,10 @@
 """The CPU fast path: torch's own packed int8 / int4 matmul ops (the ones torchao and gpt-fast use).
 
     torch.ops.aten._weight_int8pack_mm(x, w_int8 [N, K], scales [N])        y = x @ (w * s)^T
-    torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int32 [N, K], 1)   -> opaque uint8 [N, K // 2]
+    torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_int32 [N, K], 1)
+                                                                  -> opaque uint8 [N, K // 2]
     torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz [K // G, N, 2])
-                                                                   w = (q - 8) * sz[..., 0] + sz[..., 1]
+                                                        w = (q - 8) * sz[..., 0] + sz[..., 1]
 
 What we found by experiment in torch 2.13 (tests/test_quant_matmul.py keeps each one true):
 - x must be 2-D; x, the scales and the output share one dtype. They are FAST only with bfloat16 x:
@@ -51,7 +52,8 @@ class CPUPackedWeight:
 
 
 def _int4_group_size(qw: QuantizedWeight) -> int | None:
-    """The largest group size torch accepts that fits inside one of our groups (None if none does)."""
+    """The largest group size torch accepts that fits inside one of our groups (None if none
+    does)."""
     return next((g for g in INT4_GROUP_SIZES if qw.group_size % g == 0), None)
 
 
@@ -62,14 +64,17 @@ def why_packed_cannot_run(qw: QuantizedWeight, device: torch.device) -> str | No
         return f"the packed ops are CPU ops and the weight is on {device}"
     if qw.bits == 8:
         if qw.scales.shape[1] != 1:
-            return f"_weight_int8pack_mm takes one scale per output channel, not groups of {qw.group_size}"
+            return ("_weight_int8pack_mm takes one scale per output channel, "
+                    f"not groups of {qw.group_size}")
         if k % INT8_K_MULTIPLE:
             return f"_weight_int8pack_mm needs K to be a multiple of {INT8_K_MULTIPLE}, got K = {k}"
         return None
     if _int4_group_size(qw) is None:
-        return f"_weight_int4pack_mm_for_cpu needs a group size divisible by 32, got {qw.group_size}"
+        return ("_weight_int4pack_mm_for_cpu needs a group size divisible by 32, "
+                f"got {qw.group_size}")
     if n % INT4_N_MULTIPLE:
-        return f"_convert_weight_to_int4pack_for_cpu needs N to be a multiple of {INT4_N_MULTIPLE}, got {n}"
+        return ("_convert_weight_to_int4pack_for_cpu needs N to be a multiple of "
+                f"{INT4_N_MULTIPLE}, got {n}")
     return None
 
 
@@ -87,7 +92,8 @@ def prepack(qw: QuantizedWeight) -> CPUPackedWeight:
     scales = qw.scales.expand(n, -1).repeat_interleave(repeat, dim=1)  # [N, K // group]
     zeros = qw.zeros.expand(n, -1).repeat_interleave(repeat, dim=1)
     torch_zero = (TORCH_INT4_OFFSET - zeros) * scales  # (q - 8) * s + (8 - z) * s == (q - z) * s
-    scales_and_zeros = torch.stack((scales, torch_zero), dim=-1).transpose(0, 1)  # [K // group, N, 2]
+    # [K // group, N, 2]
+    scales_and_zeros = torch.stack((scales, torch_zero), dim=-1).transpose(0, 1)
     q = unpack_int4(qw.qweight).to(torch.int32)  # [N, K] values 0..15
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
     return CPUPackedWeight(4, packed, scales_and_zeros.contiguous().to(FAST_DTYPE), group)
@@ -95,7 +101,8 @@ def prepack(qw: QuantizedWeight) -> CPUPackedWeight:
 
 def quant_matmul_packed(x: torch.Tensor, qw: QuantizedWeight, pw: CPUPackedWeight,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``quant_matmul_ref``: x [..., K] -> [..., N], through torch's packed op in bf16."""
+    """Same contract as ``quant_matmul_ref``: x [..., K] -> [..., N], through torch's packed op in
+    bf16."""
     check_activations(x, qw)
     x2 = x.reshape(-1, qw.shape[1]).to(FAST_DTYPE)  # [M, K]: the ops take 2-D bf16 activations
     if pw.bits == 8:

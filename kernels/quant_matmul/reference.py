@@ -1,4 +1,4 @@
-"""Quantized matmul in plain PyTorch: the formats, the quantizers, and the oracle every kernel meets.
+"""Quantized matmul in plain PyTorch: the formats, the quantizers and the oracle every kernel meets.
 
 A linear layer computes y = x @ W^T with W [N, K] (N outputs, K inputs). Weight-only quantization
 stores W as small integers q plus a few floats that map them back:
@@ -37,7 +37,8 @@ INT8_MAX = 127  # symmetric int8 uses -127..127, so +w and -w quantize to +q and
 INT4_LEVELS = 15  # asymmetric int4 uses 0..15
 SUPPORTED_BITS = (8, 4)
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TINY_SCALE = 1e-12  # an all-zero group gets this scale instead of 0, so dequantizing never divides by 0
+# an all-zero group gets this scale instead of 0, so dequantizing never divides by 0
+TINY_SCALE = 1e-12
 
 
 def _fail(field: str, message: str):
@@ -80,8 +81,9 @@ def check_weight_shape(weight: torch.Tensor, bits: int, group_size: int) -> None
         _fail("weight", f"dtype {weight.dtype} is not floating point; quantize float weights")
     n, k = weight.shape
     if group_size < 1 or k % group_size != 0:
-        _fail("group_size", f"{group_size} does not divide the input width K = {k}; pick a divisor of K "
-                            f"(e.g. {_divisors_hint(k)}) or group_size = K for per-channel")
+        _fail("group_size", f"{group_size} does not divide the input width K = {k}; "
+                            f"pick a divisor of K (e.g. {_divisors_hint(k)}) "
+                            "or group_size = K for per-channel")
     if bits == 4 and k % 2 != 0:
         _fail("weight", f"int4 packs two inputs per byte, so K must be even, got K = {k}")
 
@@ -91,7 +93,8 @@ def _divisors_hint(k: int) -> list[int]:
 
 
 def check_quantized_weight(qw: QuantizedWeight) -> None:
-    """Every field consistent with ``shape``, ``bits`` and ``group_size`` (the contract of all backends)."""
+    """Every field consistent with ``shape``, ``bits`` and ``group_size`` (the contract of all
+    backends)."""
     n, k = qw.shape
     if qw.bits not in SUPPORTED_BITS:
         _fail("bits", f"{qw.bits} is not supported; use one of {SUPPORTED_BITS}")
@@ -116,7 +119,8 @@ def check_activations(x: torch.Tensor, qw: QuantizedWeight) -> None:
     if x.dtype not in ACTIVATION_DTYPES:
         _fail("x", f"dtype {x.dtype} is not supported; use one of {ACTIVATION_DTYPES}")
     if x.dim() < 1 or x.shape[-1] != qw.shape[1]:
-        _fail("x", f"last dim must be K = {qw.shape[1]} (the weight's input width), got shape {tuple(x.shape)}")
+        _fail("x", f"last dim must be K = {qw.shape[1]} (the weight's input width), "
+                   f"got shape {tuple(x.shape)}")
     if x.device != qw.qweight.device:
         _fail("x", f"is on {x.device} but the weight is on {qw.qweight.device}")
 
@@ -195,8 +199,10 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     return q * _expand(qw.scales, qw)
 
 
-def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle: x [..., K] @ dequantize(W)^T (+ bias) -> [..., N], computed in fp32, returned in x.dtype."""
+def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: x [..., K] @ dequantize(W)^T (+ bias) -> [..., N], computed in fp32, returned in
+    x.dtype."""
     check_quantized_weight(qw)
     check_activations(x, qw)
     y = x.float() @ dequantize(qw).T  # [..., N]
@@ -209,7 +215,8 @@ def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activation quantization: x [..., K] -> int8 [..., K] and one fp32 scale per token [..., 1].
+    """Dynamic activation quantization: x [..., K] -> int8 [..., K] and one fp32 scale per token
+    [..., 1].
 
     "Dynamic" because the scale is computed from this very token at run time (no calibration)."""
     x = x.float()
@@ -217,7 +224,8 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def w8a8_matmul_ref(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_matmul_ref(x: torch.Tensor, qw: QuantizedWeight,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = (q_x @ q_w^T) * s_x * s_w: both operands int8, one integer matmul, two scales outside it.
 
     Needs a per-channel (or per-tensor) int8 weight: a per-group weight scale would sit inside the

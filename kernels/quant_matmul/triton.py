@@ -4,7 +4,8 @@ What: y = x @ W^T where W [N, K] is stored as integers q with per-group scales s
 points z): w = (q - z) * s. At decode time x is a handful of rows (batch B, often 1): a GEMV.
 
 Why a kernel: a GEMV does 2 flops per weight and reads every weight once, so its time is the bytes
-it reads. Count them per OUTPUT (one row of W, K weights), for the reference's dequantize-then-matmul:
+it reads. Count them per OUTPUT (one row of W, K weights), for the reference's
+dequantize-then-matmul:
 
     dequantize:  read K * bits/8 (the integers) + (K/G) * 8 (scale, zero)   write K * 4 (fp32 row)
     matmul:      read K * 4 (the fp32 row back)
@@ -19,7 +20,8 @@ The kernel: one program per (BLOCK_N outputs, one row of x). It walks K in BLOCK
 
     acc[BLOCK_N] = 0
     for k0 in range(0, K, BLOCK_K):
-        q  = load the integers W[n, k0:k0+BLOCK_K]        int8, or packed nibbles split by & 0xF, >> 4
+        q  = load the integers W[n, k0:k0+BLOCK_K]        int8, or packed nibbles split by
+                                                          & 0xF, >> 4
         s  = scales[n, k // G], z = zeros[n, k // G]      one gather per weight: L1-resident
         acc += sum_k x[k] * (q - z) * s                   fp32
     y[n] = acc
@@ -48,7 +50,8 @@ def gemv_bytes_per_output(K: int, bits: int, group_size: int) -> dict[str, int]:
     meta = (K // group_size) * (SCALE_AND_ZERO_BYTES if bits == 4 else FP32_BYTES)
     integers = K * bits // 8
     return {"fp32": K * FP32_BYTES, "bf16": K * BF16_BYTES,
-            "naive": integers + meta + 2 * K * FP32_BYTES,  # dequantize (write fp32) + matmul (read it)
+            # dequantize (write fp32) + matmul (read it)
+            "naive": integers + meta + 2 * K * FP32_BYTES,
             "fused": integers + meta}
 
 
@@ -68,8 +71,10 @@ def _dequant_gemv_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             mask = n_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask, other=0).to(tl.float32)
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask,
+                        other=0.0).to(tl.float32)  # [BK]
+            q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask,
+                        other=0).to(tl.float32)
             s_off = offs_n[:, None] * stride_sn + (offs_k // GROUP)[None, :] * stride_sg
             s = tl.load(s_ptr + s_off, mask=mask, other=0.0)  # [BN, BK]
             acc += tl.sum(q * s * x[None, :], axis=1)
@@ -79,24 +84,31 @@ def _dequant_gemv_kernel(
             offs_b = k0 // 2 + tl.arange(0, HALF)  # byte j holds inputs 2j (low) and 2j + 1 (high)
             b_mask = offs_b < K // 2
             mask = n_mask[:, None] & b_mask[None, :]
-            byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=mask, other=0).to(tl.int32)
-            q_even, q_odd = (byte & 0xF).to(tl.float32), (byte >> 4).to(tl.float32)  # [BN, BK/2] each
-            x_even = tl.load(x_ptr + m * stride_xm + 2 * offs_b, mask=b_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + m * stride_xm + 2 * offs_b + 1, mask=b_mask, other=0.0).to(tl.float32)
+            byte = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=mask,
+                           other=0).to(tl.int32)
+            # [BN, BK/2] each
+            q_even, q_odd = (byte & 0xF).to(tl.float32), (byte >> 4).to(tl.float32)
+            x_even = tl.load(x_ptr + m * stride_xm + 2 * offs_b, mask=b_mask,
+                             other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + m * stride_xm + 2 * offs_b + 1, mask=b_mask,
+                            other=0.0).to(tl.float32)
             # a group holds an even number of inputs, so 2j and 2j + 1 share one (scale, zero)
             g_off = offs_n[:, None] * stride_sn + (2 * offs_b // GROUP)[None, :] * stride_sg
             s = tl.load(s_ptr + g_off, mask=mask, other=0.0)
             z = tl.load(z_ptr + g_off, mask=mask, other=0.0)
-            acc += tl.sum(((q_even - z) * x_even[None, :] + (q_odd - z) * x_odd[None, :]) * s, axis=1)
+            acc += tl.sum(((q_even - z) * x_even[None, :] + (q_odd - z) * x_odd[None, :]) * s,
+                          axis=1)
     tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def quant_matmul_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_matmul_triton(x: torch.Tensor, qw: QuantizedWeight,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``quant_matmul_ref``: x [..., K] -> [..., N] (fp32 accumulation)."""
     check_quantized_weight(qw)
     check_activations(x, qw)
     if qw.bits == 4 and qw.group_size % 2:
-        raise ValueError(f"group_size: int4 groups must hold an even number of inputs, got {qw.group_size}")
+        raise ValueError("group_size: int4 groups must hold an even number of inputs, "
+                         f"got {qw.group_size}")
     n, k = qw.shape
     x2 = x.reshape(-1, k).contiguous()  # [M, K]
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
@@ -108,7 +120,8 @@ def quant_matmul_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
     _dequant_gemv_kernel[(triton.cdiv(n, BLOCK_N), x2.shape[0])](
         x2, qw.qweight.contiguous(), scales, zeros, y,
         n, k, qw.group_size,
-        x2.stride(0), qw.qweight.stride(0), 0 if per_tensor else scales.stride(0), 0 if per_tensor else 1,
+        x2.stride(0), qw.qweight.stride(0), 0 if per_tensor else scales.stride(0),
+        0 if per_tensor else 1,
         y.stride(0),
         BITS=qw.bits, HAS_ZERO=qw.zeros is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from engine import load_model
-from engine.lab import tasks
 from engine.companions.naive import generate_naive
+from engine.lab import tasks
 from engine.sampling import SamplingParams
 
 MAX_TOKENS = 24
