@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, random_model
 from matplotlib.colors import to_rgba
 
 from engine.companions.metrics import prefix_cache_stats, trace_metrics
@@ -30,6 +29,7 @@ from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 from engine.trace import Trace
 from engine.viz.blocks import CACHED_COLOR, FREE_COLOR, block_snapshot, render_block_grid
+from engine_fixtures import VOCAB, random_model
 
 BS = 4
 MODEL = random_model(seed=5)

@@ -33,8 +33,8 @@ with them, so a sequence is always in exactly one of the two places::
 
                       swap_out(s)                          swap_in(s)
     device table [7, 2, 5]  ----->  CPU table [0, 1, 2]  ----->  device table [3, 4, 6]
-    device blocks 7, 2, 5 freed      returns [(7, 0), (2, 1), (5, 2)]    CPU blocks freed
-                                     (GPU block, CPU block)              returns [(0, 3), (1, 4), (2, 6)]
+    swap_out: device blocks 7, 2, 5 freed, returns [(7, 0), (2, 1), (5, 2)]   (GPU, CPU) pairs
+    swap_in:  CPU blocks 0, 1, 2 freed,    returns [(0, 3), (1, 4), (2, 6)]   (CPU, GPU) pairs
 
 The pairs are the copies the KV pool (``engine/kv/kv_pool.py``) must do before the next forward.
 A block shared by forked sequences is copied once per sequence that swaps out, and each gets a
@@ -42,8 +42,8 @@ private device copy on the way back (vLLM swaps a whole sample group at once to 
 we keep it simple).
 
 Prefix caching (chapter 06, ``enable_prefix_caching``): once a sequence's FULL block has its K/V
-written, ``cache_blocks`` registers it under its chained hash (``engine/kv/prefix_cache.py``). When its
-last holder lets go, the block is not wiped: it becomes *free but cached* and waits in an
+written, ``cache_blocks`` registers it under its chained hash (``engine/kv/prefix_cache.py``).
+When its last holder lets go, the block is not wiped: it becomes *free but cached* and waits in an
 evictor, so the next request with the same prefix shares it (``find_cached_prefix``, then
 ``allocate(..., cached_blocks)``). ``allocate`` uses truly free blocks first and evicts a cached
 block only when there are none, dropping its hash before the block is reused. Which one goes is
@@ -78,10 +78,10 @@ Rollback (for speculative decoding: a step writes K/V for several guessed tokens
 are taken back): ``rollback(seq, n)`` forgets a sequence's last n slots, frees the blocks left
 empty and drops the hash of every block whose hashed tokens it took back (see its docstring).
 
-Every block copy any method decides (swap out/in, copy-on-write, offload, reload) is also recorded,
-in decision order, as a ``BlockMove``; ``take_moves`` hands them to the KV pool, which must do them
-in that order before the next forward (a block can be read by one move and overwritten by a later one
-within the same step, so the order matters).
+Every block copy any method decides (swap out/in, copy-on-write, offload, reload) is also
+recorded, in decision order, as a ``BlockMove``; ``take_moves`` hands them to the KV pool, which
+must do them in that order before the next forward (a block can be read by one move and
+overwritten by a later one within the same step, so the order matters).
 
 This module is pure bookkeeping: it never touches a tensor. The KV pools live in
 ``engine/kv/kv_pool.py``, and the attention kernels that read through the tables in
@@ -142,12 +142,14 @@ class BlockAllocator:
 
     @property
     def num_cached(self) -> int:
-        """Free-but-cached blocks: refcount 0, contents kept for a prefix-cache hit until evicted."""
+        """Free-but-cached blocks: refcount 0, contents kept for a prefix-cache hit until
+        evicted."""
         return self.cache.num_evictable if self.cache else 0
 
     @property
     def num_available(self) -> int:
-        """Blocks ``allocate`` can hand out: the free ones, then the free-but-cached ones (evicted)."""
+        """Blocks ``allocate`` can hand out: the free ones, then the free-but-cached ones
+        (evicted)."""
         return self.num_free + self.num_cached
 
     @property
@@ -159,7 +161,8 @@ class BlockAllocator:
         return self._refcount[block]
 
     def allocate(self) -> int:
-        """Take one block (a free one first, else evict a cached one); its reference count becomes 1."""
+        """Take one block (a free one first, else evict a cached one); its reference count
+        becomes 1."""
         if self._free:
             block = self._free.popleft()
         elif self.num_cached:
@@ -178,8 +181,8 @@ class BlockAllocator:
         return [self.allocate() for _ in range(n)]
 
     def incref(self, block: int) -> None:
-        """One more table holds ``block`` (sharing, or a prefix-cache hit that revives a free-but-cached
-        block: it leaves the evictor)."""
+        """One more table holds ``block`` (sharing, or a prefix-cache hit that revives a
+        free-but-cached block: it leaves the evictor)."""
         self._check_id(block)
         if self.cache and self._refcount[block] == 0 and self.cache.is_evictable(block):
             self.cache.unpark(block)
@@ -188,8 +191,8 @@ class BlockAllocator:
         self._refcount[block] += 1
 
     def free(self, block: int) -> bool:
-        """One table lets go of ``block``. Returns True when nobody holds it any more: it goes back to
-        the free list, or, when it has a prefix-cache hash, to the cache's evictor."""
+        """One table lets go of ``block``. Returns True when nobody holds it any more: it goes
+        back to the free list, or, when it has a prefix-cache hash, to the cache's evictor."""
         self._check_used(block, action="free")
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
@@ -201,21 +204,22 @@ class BlockAllocator:
         return False
 
     def drop_cached(self) -> int:
-        """Forget every prefix-cache hash; free-but-cached blocks join the free list. Returns how many."""
+        """Forget every prefix-cache hash; free-but-cached blocks join the free list. Returns how
+        many."""
         freed = self.cache.clear() if self.cache else []
         self._free.extend(sorted(freed))
         return len(freed)
 
     def _check_id(self, block: int) -> None:
         if not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise ValueError(f"block id {block!r} is unknown: valid ids are 0..{self.num_blocks - 1}")
+            raise ValueError(f"block id {block!r} is unknown: valid ids are "
+                             f"0..{self.num_blocks - 1}")
 
     def _check_used(self, block: int, action: str) -> None:
         self._check_id(block)
         if self._refcount[block] == 0:
-            raise ValueError(
-                f"cannot {action} block {block}: it is already free (double free, or never allocated)"
-            )
+            raise ValueError(f"cannot {action} block {block}: it is already free (double free, "
+                             "or never allocated)")
 
 
 @dataclass(frozen=True)
@@ -233,8 +237,8 @@ class AppendResult:
 
 @dataclass(frozen=True)
 class HostBlock:
-    """A prefix-cache hit found in the host tier (``kv_offload_blocks``): block ``id`` of the host pool.
-    ``allocate`` copies it back into a fresh device block (a "reload" move)."""
+    """A prefix-cache hit found in the host tier (``kv_offload_blocks``): block ``id`` of the
+    host pool. ``allocate`` copies it back into a fresh device block (a "reload" move)."""
 
     id: int
 
@@ -247,7 +251,7 @@ class BlockMove:
     swap_out  device        swap pool     (a preempted sequence's block)
     swap_in   swap pool     device
     copy      device        device        (copy-on-write of a shared last block)
-    offload   device        host tier     (an evicted prefix-cache block keeps its K/V in host memory)
+    offload   device        host tier     (an evicted prefix-cache block keeps its K/V on the host)
     reload    host tier     device        (a prefix-cache hit in host memory)
     """
 
@@ -265,7 +269,8 @@ class BlockUsage:
 
     wasted_slots = reserved_slots - used_slots: slots inside allocated blocks that hold no
     token, i.e. the empty tail of each partly filled last block. With a prefix cache,
-    total = used + free + cached: ``cached_blocks`` are free but cached (refcount 0, reusable on a hit).
+    total = used + free + cached: ``cached_blocks`` are free but cached (refcount 0, reusable on a
+    hit).
     """
 
     total_blocks: int
@@ -294,7 +299,8 @@ class SwapUsage:
 class _Sequence:
     block_table: list[int]
     num_tokens: int
-    block_hashes: list[str] = field(default_factory=list)  # of its first full blocks whose K/V is written
+    # the hashes of its first full blocks whose K/V is written
+    block_hashes: list[str] = field(default_factory=list)
 
 
 class BlockManager:
@@ -314,12 +320,15 @@ class BlockManager:
                  num_host_blocks: int = 0, eviction_policy: str = "lru"):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
-            raise ValueError(f"sliding_window must be an integer >= 1 or None (no window), got {sliding_window!r}")
+            raise ValueError("sliding_window must be an integer >= 1 or None (no window), got "
+                             f"{sliding_window!r}")
         self.sliding_window = sliding_window
         if num_swap_blocks < 0:
-            raise ValueError(f"num_swap_blocks must be >= 0 (0: no swap pool), got {num_swap_blocks}")
+            raise ValueError(f"num_swap_blocks must be >= 0 (0: no swap pool), got "
+                             f"{num_swap_blocks}")
         self.block_size = block_size
         # The prefix cache (chapter 06): hash -> block for full blocks, and the evictor of the
         # free-but-cached ones. The allocator consults it when a block's last holder lets go, and
@@ -330,11 +339,14 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks, self.prefix_cache)
         self.swap_allocator = BlockAllocator(num_swap_blocks) if num_swap_blocks else None
         if num_host_blocks < 0 or (num_host_blocks and not enable_prefix_caching):
-            raise ValueError(f"num_host_blocks must be >= 0, and > 0 only with enable_prefix_caching=True (the host "
-                             f"tier keeps evicted prefix-cache blocks), got {num_host_blocks}")
+            raise ValueError("num_host_blocks must be >= 0, and > 0 only with "
+                             "enable_prefix_caching=True (the host tier keeps evicted prefix-cache "
+                             f"blocks), got {num_host_blocks}")
         # The host tier: a prefix cache of its own (same policy), every block free but cached.
-        self.host_cache = PrefixCache(make_evictor(eviction_policy)) if num_host_blocks else None
-        self.host_allocator = BlockAllocator(num_host_blocks, self.host_cache) if num_host_blocks else None
+        self.host_cache = self.host_allocator = None
+        if num_host_blocks:
+            self.host_cache = PrefixCache(make_evictor(eviction_policy))
+            self.host_allocator = BlockAllocator(num_host_blocks, self.host_cache)
         if self.host_allocator is not None:
             self.allocator.on_evict = self._offload
         self._moves: list[BlockMove] = []  # decided copies not yet taken by the KV pool, in order
@@ -375,15 +387,19 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Would ``allocate(seq, num_tokens, cached_blocks)`` succeed? A cached block that is free but
-        cached leaves the evictor when shared, so it counts against the blocks still available."""
-        return self._blocks_needed_to_allocate(num_tokens, cached_blocks) <= self.allocator.num_available
+        """Would ``allocate(seq, num_tokens, cached_blocks)`` succeed? A cached block that is free
+        but cached leaves the evictor when shared, so it counts against the blocks still
+        available."""
+        needed = self._blocks_needed_to_allocate(num_tokens, cached_blocks)
+        return needed <= self.allocator.num_available
 
     def can_append_slots(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self._blocks_needed_to_append(self._get(seq_id), num_new_tokens) <= self.allocator.num_available
+        needed = self._blocks_needed_to_append(self._get(seq_id), num_new_tokens)
+        return needed <= self.allocator.num_available
 
     def block_table(self, seq_id: int) -> list[int]:
-        """Physical block of each logical block, in token order (``NULL_BLOCK``: freed by the window)."""
+        """Physical block of each logical block, in token order (``NULL_BLOCK``: freed by the
+        window)."""
         return list(self._get(seq_id).block_table)
 
     def num_held_blocks(self, seq_id: int) -> int:
@@ -405,8 +421,8 @@ class BlockManager:
                 )
             block = seq.block_table[pos // self.block_size]
             if block == NULL_BLOCK:
-                raise ValueError(f"position {pos} of sequence {seq_id} fell out of the sliding window "
-                                 f"(W = {self.sliding_window}): its block was freed")
+                raise ValueError(f"position {pos} of sequence {seq_id} fell out of the sliding "
+                                 f"window (W = {self.sliding_window}): its block was freed")
             slots.append(block * self.block_size + pos % self.block_size)
         return slots
 
@@ -414,14 +430,15 @@ class BlockManager:
     def allocate(self, seq_id: int, num_tokens: int, cached_blocks: list[int] = ()) -> list[int]:
         """Register a new sequence holding ``num_tokens`` tokens; returns its block table.
 
-        ``cached_blocks`` (from ``find_cached_prefix``) start the table: shared, not allocated. We take
-        them out of the evictor BEFORE allocating the rest, so that the rest cannot evict them.
+        ``cached_blocks`` (from ``find_cached_prefix``) start the table: shared, not allocated. We
+        take them out of the evictor BEFORE allocating the rest, so that the rest cannot evict
+        them.
         """
         if seq_id in self._seqs or seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id} already has blocks; free it or use append_slots")
         if num_tokens < 0 or len(cached_blocks) * self.block_size > num_tokens:
-            raise ValueError(f"num_tokens must be >= 0 and cover the {len(cached_blocks)} cached blocks, "
-                             f"got {num_tokens}")
+            raise ValueError(f"num_tokens must be >= 0 and cover the {len(cached_blocks)} cached "
+                             f"blocks, got {num_tokens}")
         needed = self._blocks_needed_to_allocate(num_tokens, cached_blocks)
         if needed > self.allocator.num_available:
             raise NoFreeBlocksError(needed=needed, free=self.allocator.num_available)
@@ -432,7 +449,8 @@ class BlockManager:
         for block in on_host:  # pinned while we allocate: an offload must not evict what we reload
             self.host_allocator.incref(block)
         fresh = iter(self.allocator.allocate_many(self.blocks_for(num_tokens) - len(on_device)))
-        blocks = [b if not isinstance(b, HostBlock) else self._reload(b.id, next(fresh)) for b in cached_blocks]
+        blocks = [b if not isinstance(b, HostBlock) else self._reload(b.id, next(fresh))
+                  for b in cached_blocks]
         blocks += list(fresh)
         self._seqs[seq_id] = _Sequence(block_table=blocks, num_tokens=num_tokens)
         return list(blocks)
@@ -465,7 +483,8 @@ class BlockManager:
         seq.block_table.extend(self.allocator.allocate_many(grow))
         start = seq.num_tokens
         seq.num_tokens += num_new_tokens
-        return AppendResult(slots=self.slot_mapping(seq_id, range(start, seq.num_tokens)), copies=copies)
+        slots = self.slot_mapping(seq_id, range(start, seq.num_tokens))
+        return AppendResult(slots=slots, copies=copies)
 
     def rollback(self, seq_id: int, num_tokens: int) -> list[int]:
         """Take back the last ``num_tokens`` slots of a sequence (speculative decoding's rejected
@@ -539,11 +558,13 @@ class BlockManager:
             raise ValueError(f"cannot fork into sequence {child_id}: it already exists")
         for block in _held(parent.block_table):
             self.allocator.incref(block)
-        self._seqs[child_id] = _Sequence(block_table=list(parent.block_table), num_tokens=parent.num_tokens,
+        self._seqs[child_id] = _Sequence(block_table=list(parent.block_table),
+                                         num_tokens=parent.num_tokens,
                                          block_hashes=list(parent.block_hashes))
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence, on the device or swapped; blocks nobody else holds go back to the free list."""
+        """Drop the sequence, on the device or swapped; blocks nobody else holds go back to the
+        free list."""
         if seq_id in self._swapped:
             for block in self._swapped.pop(seq_id).block_table:
                 self.swap_allocator.free(block)
@@ -583,23 +604,26 @@ class BlockManager:
         for block in held:
             self.swap_allocator.free(block)
         del self._swapped[seq_id]
-        self._seqs[seq_id] = _Sequence(block_table=_refill(seq.block_table, gpu_blocks), num_tokens=seq.num_tokens,
-                                       block_hashes=seq.block_hashes)
+        self._seqs[seq_id] = _Sequence(block_table=_refill(seq.block_table, gpu_blocks),
+                                       num_tokens=seq.num_tokens, block_hashes=seq.block_hashes)
         self._moves += [BlockMove("swap_in", c, g) for c, g in zip(held, gpu_blocks, strict=True)]
         return list(zip(held, gpu_blocks, strict=True))
 
     def free_out_of_window(self, seq_id: int, next_query_position: int) -> list[int]:
-        """Sliding window: give back the blocks no query at ``next_query_position`` or later can read.
+        """Sliding window: give back the blocks no query at ``next_query_position`` or later can
+        read.
 
-        A query at p reads positions >= p - W + 1, so block j (positions j*BS .. j*BS + BS - 1) is dead
-        once j*BS + BS - 1 < next_query_position - W + 1. Its table entry becomes ``NULL_BLOCK``.
-        Returns the freed physical blocks (a block a forked sibling still holds stays used). No-op
-        without a window. Call it after the step's slots are reserved, with the step's first query.
+        A query at p reads positions >= p - W + 1, so block j (positions j*BS .. j*BS + BS - 1) is
+        dead once j*BS + BS - 1 < next_query_position - W + 1. Its table entry becomes
+        ``NULL_BLOCK``. Returns the freed physical blocks (a block a forked sibling still holds
+        stays used). No-op without a window. Call it after the step's slots are reserved, with the
+        step's first query.
         """
         seq = self._get(seq_id)
         if self.sliding_window is None:
             return []
-        dead = max(0, next_query_position - self.sliding_window + 1) // self.block_size  # blocks 0..dead-1
+        # blocks 0 .. dead - 1 are behind the window
+        dead = max(0, next_query_position - self.sliding_window + 1) // self.block_size
         freed = []
         for j in range(min(dead, len(seq.block_table))):
             block = seq.block_table[j]
@@ -610,19 +634,22 @@ class BlockManager:
         return freed
 
     def take_moves(self) -> list[BlockMove]:
-        """The block copies decided since the last call, in order (the KV pool must do them before the
-        next forward); the list is handed over and cleared."""
+        """The block copies decided since the last call, in order (the KV pool must do them
+        before the next forward); the list is handed over and cleared."""
         moves, self._moves = self._moves, []
         return moves
 
     def host_usage(self) -> SwapUsage:
         """The host tier, in blocks: ``used_blocks`` counts those holding offloaded K/V."""
         pool = self.host_allocator
-        return SwapUsage(pool.num_blocks, pool.num_cached, pool.num_free) if pool else SwapUsage(0, 0, 0)
+        if pool is None:
+            return SwapUsage(0, 0, 0)
+        return SwapUsage(pool.num_blocks, pool.num_cached, pool.num_free)
 
     def _offload(self, block: int, h: str) -> None:
-        """The device evicts cached ``block`` (hash ``h``): keep its K/V in the host tier. Already there:
-        nothing to copy (it becomes the most recently used). Host tier full of pinned blocks: dropped."""
+        """The device evicts cached ``block`` (hash ``h``): keep its K/V in the host tier. Already
+        there: nothing to copy (it goes back to the host's evictor: under LRU, the most recently
+        used). Host tier full of pinned blocks: dropped."""
         held = self.host_cache.lookup(h)
         if held is not None:
             self.host_allocator.incref(held)
@@ -630,24 +657,26 @@ class BlockManager:
             return
         if self.host_allocator.num_available == 0:
             return
-        host = self.host_allocator.allocate()  # a free host block, or the host's least recently used
+        host = self.host_allocator.allocate()  # a free host block, or the host evictor's victim
         self.host_cache.register(host, h)
         self.host_allocator.free(host)  # refcount 0 with a hash: free but cached, on the host
         self._moves.append(BlockMove("offload", block, host))
         self.num_offloaded += 1
 
     def _reload(self, host: int, block: int) -> int:
-        """Copy host block ``host`` back into fresh device ``block`` (registered under its hash at once:
-        the copy is done before the next forward, before anyone can read it)."""
+        """Copy host block ``host`` back into fresh device ``block`` (registered under its hash at
+        once: the copy is done before the next forward, before anyone can read it)."""
         self._moves.append(BlockMove("reload", host, block))
         self.prefix_cache.register(block, self.host_cache.hash_of(host))
-        self.host_allocator.free(host)  # unpinned: stays cached on the host, most recently used
+        self.host_allocator.free(host)  # unpinned: stays cached on the host (back in its evictor)
         self.num_reloaded += 1
         return block
 
     def swap_usage(self) -> SwapUsage:
         pool = self.swap_allocator
-        return SwapUsage(pool.num_blocks, pool.num_used, pool.num_free) if pool else SwapUsage(0, 0, 0)
+        if pool is None:
+            return SwapUsage(0, 0, 0)
+        return SwapUsage(pool.num_blocks, pool.num_used, pool.num_free)
 
     def usage(self) -> BlockUsage:
         """Blocks and slots in use; a shared block's filled slots are counted once."""
@@ -675,8 +704,9 @@ class BlockManager:
     def find_cached_prefix(self, token_ids: list[int], extra_keys: tuple,
                            max_tokens: int) -> list[int | HostBlock]:
         """The blocks holding the longest cached prefix of ``token_ids`` (whole blocks, at most
-        ``max_tokens`` tokens), to pass to ``allocate``; [] when prefix caching is off. A block found
-        only in the host tier is a ``HostBlock`` (``allocate`` reloads it into a fresh device block).
+        ``max_tokens`` tokens), to pass to ``allocate``; [] when prefix caching is off. A block
+        found only in the host tier is a ``HostBlock`` (``allocate`` reloads it into a fresh
+        device block).
 
         The caller caps ``max_tokens`` at len(token_ids) - 1: the last token is always fed again,
         because sampling needs its logits (a fully cached prompt would leave nothing to run)::
@@ -689,19 +719,23 @@ class BlockManager:
         blocks: list[int | HostBlock] = []
         for h in block_hashes(token_ids[:max_tokens], self.block_size, extra_keys):
             block = self.prefix_cache.lookup(h)
-            if block is None and self.host_cache is not None and self.host_cache.lookup(h) is not None:
-                block = HostBlock(self.host_cache.lookup(h))  # copied back by allocate
+            on_host = self.host_cache.lookup(h) if self.host_cache is not None else None
+            if block is None and on_host is not None:
+                block = HostBlock(on_host)  # copied back by allocate
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def cache_blocks(self, seq_id: int, token_ids: list[int], extra_keys: tuple, num_computed: int) -> None:
-        """The K/V of the sequence's first ``num_computed`` tokens is written (the forward ran): register
-        its full blocks in the prefix cache, so later requests can share them. A no-op without a cache.
+    def cache_blocks(self, seq_id: int, token_ids: list[int], extra_keys: tuple,
+                     num_computed: int) -> None:
+        """The K/V of the sequence's first ``num_computed`` tokens is written (the forward ran):
+        register its full blocks in the prefix cache, so later requests can share them. A no-op
+        without a cache.
 
         We hash only the blocks that filled since the last call (the chain continues from the last
-        hash), and register every full block not registered yet (e.g. the fresh copies a swap-in made).
+        hash), and register every full block not registered yet (e.g. the fresh copies a swap-in
+        made).
         """
         if self.prefix_cache is None:
             return
@@ -710,20 +744,20 @@ class BlockManager:
         known = len(seq.block_hashes)
         if full > known:
             parent = seq.block_hashes[-1] if known else None
-            seq.block_hashes += block_hashes(token_ids[:full * self.block_size], self.block_size, extra_keys,
-                                             start=known, parent=parent)
+            seq.block_hashes += block_hashes(token_ids[:full * self.block_size], self.block_size,
+                                             extra_keys, start=known, parent=parent)
         for block, h in zip(seq.block_table, seq.block_hashes[:full], strict=False):
             if block != NULL_BLOCK:
                 self.prefix_cache.register(block, h)
 
     def cached_block_ids(self) -> list[int]:
-        """The free-but-cached blocks, least recently used (next to be evicted) first."""
+        """The free-but-cached blocks in eviction order, the next victim first."""
         return self.prefix_cache.evictable() if self.prefix_cache else []
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's name). Only when no sequence holds a device block: a block
-        in use keeps its contents, and its holder may still rely on its hash. Returns False (nothing
-        changed) otherwise; True when cleared (or there is no cache)."""
+        """Forget every cached prefix (vLLM's name). Only when no sequence holds a device block: a
+        block in use keeps its contents, and its holder may still rely on its hash. Returns False
+        (nothing changed) otherwise; True when cleared (or there is no cache)."""
         if self.prefix_cache is None:
             return True
         if self.allocator.num_used:
@@ -740,9 +774,9 @@ class BlockManager:
         try:
             return self._seqs[seq_id]
         except KeyError:
+            swapped = " (it is swapped out: swap_in first)" if seq_id in self._swapped else ""
             raise ValueError(f"unknown sequence id {seq_id!r}; live ids: {sorted(self._seqs)}"
-                             + (" (it is swapped out: swap_in first)" if seq_id in self._swapped else "")
-                             ) from None
+                             + swapped) from None
 
     def _get_swapped(self, seq_id: int) -> _Sequence:
         try:
@@ -757,7 +791,8 @@ class BlockManager:
         return partial and self.allocator.refcount(seq.block_table[-1]) > 1
 
     def _blocks_needed_to_allocate(self, num_tokens: int, cached_blocks: list[int]) -> int:
-        """New blocks, plus the cached blocks that a hit takes out of the evictor (refcount 0 now)."""
+        """New blocks, plus the cached blocks that a hit takes out of the evictor (refcount 0
+        now)."""
         on_device = [b for b in cached_blocks if not isinstance(b, HostBlock)]
         revived = sum(1 for b in on_device if self.allocator.refcount(b) == 0)
         return self.blocks_for(num_tokens) - len(on_device) + revived
@@ -770,11 +805,13 @@ class BlockManager:
 
 
 def _held(table: list[int]) -> list[int]:
-    """The blocks a table really holds: without the ``NULL_BLOCK`` entries a sliding window freed."""
+    """The blocks a table really holds: without the ``NULL_BLOCK`` entries a sliding window
+    freed."""
     return [b for b in table if b != NULL_BLOCK]
 
 
 def _refill(table: list[int], blocks: list[int]) -> list[int]:
-    """``table`` with its held entries replaced, in order, by ``blocks`` (NULL_BLOCK entries stay)."""
+    """``table`` with its held entries replaced, in order, by ``blocks`` (NULL_BLOCK entries
+    stay)."""
     it = iter(blocks)
     return [b if b == NULL_BLOCK else next(it) for b in table]

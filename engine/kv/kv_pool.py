@@ -4,10 +4,10 @@ The block manager (``engine/kv/block_manager.py``) decides which block holds whi
 file holds the bytes. Per layer there is one K pool and one V pool on the device, and, when
 preemption is by swap, a CPU pool of the same layout for each::
 
-    layer l:  k[l], v[l]            [NB, BS, Hkv, D]    on the model's device
-              k_swap[l], v_swap[l]  [NSB, BS, Hkv, D]   on the CPU (NSB = 0: no swap pool)
-              k_host[l], v_host[l]  [NHB, BS, Hkv, D]   on the CPU: the host tier of the prefix cache
-                                                         (NHB = 0: none; engine/kv/block_manager.py)
+    layer l:  k[l], v[l]            [NB, BS, Hkv, D]   on the model's device
+              k_swap[l], v_swap[l]  [NSB, BS, Hkv, D]  on the CPU (NSB = 0: no swap pool)
+              k_host[l], v_host[l]  [NHB, BS, Hkv, D]  on the CPU: the host tier of the prefix cache
+                                                        (NHB = 0: none; engine/kv/block_manager.py)
 
     slot s of the device pool  =  k[l][s // BS, s % BS]      (one token's K for every KV head)
 
@@ -40,8 +40,8 @@ GiB = 2**30
 
 @dataclass
 class PoolShape:
-    """How many blocks of what a pool holds: what every rank of a parallel engine needs to build its share
-    (the same block ids everywhere; engine/parallel/executor.py)."""
+    """How many blocks of what a pool holds: what every rank of a parallel engine needs to build its
+    share (the same block ids everywhere; engine/parallel/executor.py)."""
 
     num_blocks: int
     block_size: int
@@ -61,17 +61,21 @@ class PagedKVPool:
     ``scales(layer)`` gives them to the kernels, and every block move copies them with the values.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 num_swap_blocks: int = 0, num_host_blocks: int = 0):
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", num_swap_blocks: int = 0,
+                 num_host_blocks: int = 0):
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                            ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVPool: {name} must be an integer >= 1, got {value!r}")
-        for name, value in (("num_swap_blocks", num_swap_blocks), ("num_host_blocks", num_host_blocks)):
+        for name, value in (("num_swap_blocks", num_swap_blocks),
+                            ("num_host_blocks", num_host_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PagedKVPool: {name} must be an integer >= 0, got {value!r}")
-        self.num_blocks, self.block_size, self.num_swap_blocks = num_blocks, block_size, num_swap_blocks
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_swap_blocks = num_swap_blocks
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)  # [NB, BS, Hkv, D]
@@ -79,10 +83,13 @@ class PagedKVPool:
         pin = self.device.type == "cuda"  # page-locked CPU memory: faster device <-> CPU copies
         host_shape = (num_host_blocks, *shape[1:])  # [NHB, BS, Hkv, D]
         self.num_host_blocks = num_host_blocks
-        self.k, self.v, self.k_scale, self.v_scale = _layers(num_layers, shape, dtype, device=self.device)
-        self.k_swap, self.v_swap, self.k_scale_swap, self.v_scale_swap = _layers(num_layers, swap_shape, dtype,
+        self.k, self.v, self.k_scale, self.v_scale = _layers(num_layers, shape, dtype,
+                                                             device=self.device)
+        self.k_swap, self.v_swap, self.k_scale_swap, self.v_scale_swap = _layers(num_layers,
+                                                                                 swap_shape, dtype,
                                                                                  pin_memory=pin)
-        self.k_host, self.v_host, self.k_scale_host, self.v_scale_host = _layers(num_layers, host_shape, dtype,
+        self.k_host, self.v_host, self.k_scale_host, self.v_scale_host = _layers(num_layers,
+                                                                                 host_shape, dtype,
                                                                                  pin_memory=pin)
 
     def scales(self, layer: int) -> tuple[Tensor, Tensor] | None:
@@ -91,7 +98,8 @@ class PagedKVPool:
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str, num_swap_blocks: int = 0, num_host_blocks: int = 0) -> PagedKVPool:
+                  device: torch.device | str, num_swap_blocks: int = 0,
+                  num_host_blocks: int = 0) -> PagedKVPool:
         return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
                    config.head_dim, dtype, device, num_swap_blocks, num_host_blocks)
 
@@ -101,8 +109,8 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the device pools: K and V of every layer (the KV cache formula, T = NB * BS), and
-        the scales of int8 pools."""
+        """Bytes of the device pools: K and V of every layer (the KV cache formula, T = NB * BS),
+        and the scales of int8 pools."""
         return sum(t.nbytes for t in self._pools("device"))
 
     @property
@@ -122,9 +130,10 @@ class PagedKVPool:
 
     @torch.inference_mode()
     def apply_moves(self, moves: list[BlockMove]) -> dict[str, int]:
-        """Do the block copies the block manager decided, IN ORDER (``BlockManager.take_moves``); returns
-        the number of blocks moved per kind. Consecutive moves of one kind are one indexed copy per pool:
-        within such a run no block is both written and read (the manager hands out fresh destinations)."""
+        """Do the block copies the block manager decided, IN ORDER (``BlockManager.take_moves``);
+        returns the number of blocks moved per kind. Consecutive moves of one kind are one indexed
+        copy per pool: within such a run no block is both written and read (the manager hands out
+        fresh destinations)."""
         counts: dict[str, int] = {}
         for kind, run in itertools.groupby(moves, key=lambda m: m.kind):
             run = list(run)
@@ -137,8 +146,8 @@ class PagedKVPool:
         return counts
 
     def _pools(self, tier: str) -> list[Tensor]:
-        """Every layer's K, V (and scale) pools of one tier: "device", "swap" or "host"; all [N?, BS, ...],
-        indexed by block id in their first dimension."""
+        """Every layer's K, V (and scale) pools of one tier: "device", "swap" or "host"; all
+        [N?, BS, ...], indexed by block id in their first dimension."""
         if tier == "device":
             return self.k + self.v + self.k_scale + self.v_scale
         if tier == "swap":
@@ -167,9 +176,10 @@ class PagedKVPool:
                 pool[dst] = pool[src]
 
 
-def _layers(num_layers: int, shape: tuple, dtype: torch.dtype, **where) -> tuple[list, list, list, list]:
-    """Per-layer K and V pools of ``shape`` [N, BS, Hkv, D], and, for int8, their fp32 scales [N, BS, Hkv]
-    (empty lists otherwise)."""
+def _layers(num_layers: int, shape: tuple, dtype: torch.dtype,
+            **where) -> tuple[list, list, list, list]:
+    """Per-layer K and V pools of ``shape`` [N, BS, Hkv, D], and, for int8, their fp32 scales
+    [N, BS, Hkv] (empty lists otherwise)."""
     k = [torch.zeros(shape, dtype=dtype, **where) for _ in range(num_layers)]
     v = [torch.zeros(shape, dtype=dtype, **where) for _ in range(num_layers)]
     if dtype != torch.int8:
@@ -179,8 +189,10 @@ def _layers(num_layers: int, shape: tuple, dtype: torch.dtype, **where) -> tuple
     return k, v, k_scale, v_scale
 
 
-_SOURCE = {"swap_out": "device", "swap_in": "swap", "copy": "device", "offload": "device", "reload": "host"}
-_DESTINATION = {"swap_out": "swap", "swap_in": "device", "copy": "device", "offload": "host", "reload": "device"}
+_SOURCE = {"swap_out": "device", "swap_in": "swap", "copy": "device", "offload": "device",
+           "reload": "host"}
+_DESTINATION = {"swap_out": "swap", "swap_in": "device", "copy": "device", "offload": "host",
+                "reload": "device"}
 
 
 def _columns(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
@@ -202,8 +214,9 @@ def default_kv_cache_memory_bytes(environ: Mapping[str, str] | None = None) -> i
     except ValueError:
         gib = math.nan
     if not (math.isfinite(gib) and gib > 0):
-        raise ValueError(f"{KVCACHE_SPACE_ENV}={text!r} must be a positive number of GiB (e.g. 4 or 0.5); "
-                         f"unset it for the default of {DEFAULT_KV_CACHE_MEMORY_BYTES / GiB:g} GiB")
+        raise ValueError(f"{KVCACHE_SPACE_ENV}={text!r} must be a positive number of GiB "
+                         "(e.g. 4 or 0.5); unset it for the default of "
+                         f"{DEFAULT_KV_CACHE_MEMORY_BYTES / GiB:g} GiB")
     return int(gib * GiB)
 
 
@@ -226,17 +239,19 @@ def plan_num_blocks(model_config: ModelConfig, cache: CacheConfig, max_num_seqs:
     needed = max_num_seqs * math.ceil(model_config.max_position_embeddings / cache.block_size)
     environ = os.environ if environ is None else environ
     budget = default_kv_cache_memory_bytes(environ)
-    source = KVCACHE_SPACE_ENV if environ.get(KVCACHE_SPACE_ENV, "").strip() else "DEFAULT_KV_CACHE_MEMORY_BYTES"
+    source = (KVCACHE_SPACE_ENV if environ.get(KVCACHE_SPACE_ENV, "").strip()
+              else "DEFAULT_KV_CACHE_MEMORY_BYTES")
     return min(needed, _blocks_in_budget(model_config, cache.block_size, dtype, budget, source))
 
 
-def _blocks_in_budget(model_config: ModelConfig, block_size: int, dtype, budget: int, source: str) -> int:
+def _blocks_in_budget(model_config: ModelConfig, block_size: int, dtype, budget: int,
+                      source: str) -> int:
     blocks = num_kv_blocks(model_config, block_size, dtype, budget)
     if blocks < 1:
         per_block = kv_block_bytes(model_config, block_size, dtype)
-        raise ValueError(f"{source} = {budget} bytes holds no KV block: one block of {block_size} tokens "
-                         f"takes {per_block} bytes for this model; give at least {per_block} bytes, "
-                         "or set num_blocks")
+        raise ValueError(f"{source} = {budget} bytes holds no KV block: one block of "
+                         f"{block_size} tokens takes {per_block} bytes for this model; "
+                         f"give at least {per_block} bytes, or set num_blocks")
     return blocks
 
 
@@ -244,11 +259,12 @@ def log_kv_cache(pool: PagedKVPool, max_model_len: int) -> None:
     """Tell the user, at INFO on the "engine" logger, what the KV cache holds (as vLLM logs it)."""
     tokens = pool.num_blocks * pool.block_size
     concurrency = pool.num_blocks / math.ceil(max_model_len / pool.block_size)
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.3f GiB (%s); CPU swap space: %d blocks, "
-                "%.3f GiB", pool.num_blocks, pool.block_size, tokens, pool.nbytes / GiB,
-                str(pool.dtype).removeprefix("torch."), pool.num_swap_blocks, pool.swap_nbytes / GiB)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.3f GiB (%s); "
+                "CPU swap space: %d blocks, %.3f GiB", pool.num_blocks, pool.block_size, tokens,
+                pool.nbytes / GiB, str(pool.dtype).removeprefix("torch."), pool.num_swap_blocks,
+                pool.swap_nbytes / GiB)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, concurrency)
     if concurrency < 1:
-        logger.warning("the KV cache holds %d tokens, fewer than one request of max_model_len=%d: longer "
-                       "requests will be rejected; raise kv_cache_memory_bytes or num_blocks", tokens,
-                       max_model_len)
+        logger.warning("the KV cache holds %d tokens, fewer than one request of "
+                       "max_model_len=%d: longer requests will be rejected; raise "
+                       "kv_cache_memory_bytes or num_blocks", tokens, max_model_len)
