@@ -101,7 +101,7 @@ def cmd_eval(args) -> None:
     names = tuple(args.tasks.split(",")) if args.tasks else tasks.TASKS
     start = time.perf_counter()
     rows = evaluate_model(model, tok, names, n=args.n, window=args.window,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, speed=args.speed)
     print(tasks.format_table(rows))
     print(f"\n{args.model}: {args.n} examples per task in {time.perf_counter() - start:.0f} s")
     print(bytes_line)
@@ -359,6 +359,9 @@ def main(argv=None) -> None:
     e.add_argument("--dtype", default="float32", choices=DTYPES)
     e.add_argument("--tasks", default=None,
                    help="comma-separated subset of arith,recall,json,refuse,story")
+    e.add_argument("--speed", default=None, choices=SPEEDS,
+                   help="answer through the paged engine at this speed (default: chapter 03's "
+                   "loop)")
     e.add_argument("--n", type=int, default=100)
     e.add_argument("--window", type=int, default=None,
                    help="sliding-window KV cache of this many tokens")

@@ -62,13 +62,14 @@ def nll_fn_for(model: LlamaModel, tokenizer: Tokenizer):
 
 def evaluate_model(model: LlamaModel, tokenizer: Tokenizer, task_names=tasks.TASKS, n: int = 100,
                    window: int | None = None, progress: bool = True,
-                   kv_cache_dtype: str = "auto") -> list[dict]:
+                   kv_cache_dtype: str = "auto", speed: str | None = None) -> list[dict]:
     """Rows of {task, metric, value, n} for the held-out suite (see `tasks.format_table`). With
-    ``kv_cache_dtype="int8"`` completions come from the paged engine with int8 K/V (the story
-    perplexity is always the float model's: it scores one forward pass, no cache)."""
+    ``kv_cache_dtype="int8"`` or a ``speed`` ("reference" or "fast") completions come from the paged
+    engine (the story perplexity is always the float model's: it scores one forward pass, no cache);
+    otherwise from chapter 03's cached loop."""
     generate = greedy_generate_fn(model, tokenizer, window)
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype != "auto" or speed is not None:
         generate = engine_generate_fn(model, tokenizer, kv_cache_dtype=kv_cache_dtype,
-                                      sliding_window=window)
+                                      sliding_window=window, speed=speed)
     return tasks.evaluate(generate, tasks=task_names, n=n,
                           nll_fn=nll_fn_for(model, tokenizer), progress=progress)
