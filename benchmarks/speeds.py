@@ -25,6 +25,9 @@ import torch
 
 from _common import write_results
 from engine import LLM, SamplingParams, load_model
+from kernels.toolchain import cpu_flags
+
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")  # what picks a path
 
 SPEEDS = ("reference", "fast")
 QUICK_ENV = "SERVELAB_FAST"
@@ -93,7 +96,8 @@ def main(argv=None) -> None:
         print("\n".join(str(r) for r in rows[-2:]))
     notes = ("x_decode / x_offline: the fast engine's tokens/s over the reference engine's, measured in the "
              "same run. tokens_equal: both speeds generated the same greedy tokens for the offline batch.")
-    write_results("speeds", rows, {**cfg, "threads": args.threads}, notes=notes,
+    flags = " ".join(sorted(f for f in cpu_flags() if f in SIMD_FLAGS)) or "none of " + str(SIMD_FLAGS)
+    write_results("speeds", rows, {**cfg, "threads": args.threads, "cpu_flags": flags}, notes=notes,
                   results_dir=args.results_dir)
 
 
