@@ -50,24 +50,29 @@ def accelerate(model, kv_pool, options: FastOptions, sliding_window: int | None,
     attention = (PlannedAttention(kv_pool, name, sliding_window) if name in PLANNED else
                  KernelAttention(kv_pool, name, sliding_window))
     choices.attention = attention.backend  # a backend that could not run fell back (with a warning)
-    # (a pipeline stage may have none)
-    weight = model.embed_tokens.weight if transform_model else None
+    weight = model.embed_tokens.weight if transform_model else None  # (a pipeline stage has none)
     packed = transform_model and probes.use_packed(options.weight_layout, weight.dtype,
                                                    weight.device)
     choices.weight_layout = "packed" if packed else "linear"
-    choices.reasons["weight_layout"] = ("fused and packed for this CPU's matmuls" if packed else
-                                        "kept as nn.Linear ("
-                                        + _why_linear(options, transform_model) + ")")
+    choices.reasons["weight_layout"] = (
+        "fused and packed for this CPU's matmuls" if packed
+        else f"kept as nn.Linear: {_why_linear(options, transform_model)}")
     if packed:
-        model = pack_linears(fuse_projections(model), blocks=num_threads)
-        if options.layer_backend == "auto":
-            model = with_native_ops(model)
+        model = transformed(model, options, num_threads)
     decode_step = native_layers_or_none(model, attention, options.layer_backend) if packed else None
     choices.layer_backend = "native" if decode_step is not None else "python"
     choices.reasons["layer_backend"] = ("small decode steps run every layer in one C call"
                                         if decode_step is not None
                                         else _why_python(model, attention, options))
     return Acceleration(model, attention, decode_step, fast_argmax, choices.as_dict())
+
+
+def transformed(model, options: FastOptions, num_threads: int):
+    """The fast wing's copy of `model`: q/k/v and gate/up stacked, every linear packed for this CPU
+    (one column block per thread), and the norms, SiLU and RoPE as C ops unless layer_backend is
+    "python". The model given is left as it was."""
+    model = pack_linears(fuse_projections(model), blocks=num_threads)
+    return with_native_ops(model) if options.layer_backend == "auto" else model
 
 
 def fast_argmax(logits: Tensor) -> Tensor:
