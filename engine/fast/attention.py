@@ -113,6 +113,8 @@ class PlannedAttention(PagedAttention):
             raise ValueError(f"PlannedAttention runs 'sdpa' or 'native', not {backend!r}")
         super().__init__(kv_pool, sliding_window)
         self.backend = backend
+        # the decode kernel, picked once: C straight from the pools, or torch's fused attention
+        self.decode = decode_native_planned if backend == "native" else decode_planned
 
     def plan(self, meta: AttentionMetadata, q: Tensor | None) -> StepPlans:
         """Check the step's slots and tables and build the gathers and masks: once per step, not
@@ -164,7 +166,7 @@ class PlannedAttention(PagedAttention):
         else:  # int8: quantize, then scatter
             write_kv(k, v, k_pool, v_pool, meta.slot_mapping, scales=scales)
         plans = meta.plans
-        decode = decode_native_planned if self.backend == "native" else decode_planned
+        decode = self.decode
         # a pure decode step: no copy into `out`
         if plans.decode is not None and not plans.prefills:
             return decode(q, k_pool, v_pool, plans.decode, self.scale, scales)[None]
