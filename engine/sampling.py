@@ -1,8 +1,8 @@
 """Sampling: from one row of logits to the next token.
 
 The model scores every vocabulary entry (a logit each); sampling turns those V numbers into one
-token id. We do it in a fixed order, the one vLLM uses, and every stage is a small pure function
-that chapter 01 calls on its own to plot the distribution after each step:
+token id. We do it in a fixed order, and every stage is a small pure function that chapter 01
+calls on its own to plot the distribution after each step:
 
     logits [V]
       |  penalties      repetition (prompt + output), presence/frequency (output only), min_tokens
@@ -14,6 +14,13 @@ that chapter 01 calls on its own to plot the distribution after each step:
       |  min-p          drop tokens less likely than min_p * (the top token's probability)
       v
     softmax --> one draw with the request's own torch.Generator --> token id
+
+The filters run in the order of vLLM's first sampler (V0): top-k, top-p, then min-p. vLLM's V1
+sampler applies min-p first, right after temperature. Against top-k the order does not matter (both
+keep a set defined by rank or by the ratio to the top token, and their intersection is the same);
+against top-p it can: top-p measures mass over what is left, and min-p first removes the tail, so
+with both set the two orders may keep different tokens. We keep V0's order so that each stage in
+chapter 01's figures narrows the distribution the one before it left.
 
 A dropped token gets the logit -inf, so softmax gives it probability exactly 0 and the survivors
 are renormalized for free. Each request (one row of the batch) brings its own SamplingParams, its
