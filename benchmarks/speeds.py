@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from _common import write_results
-from engine import LLM, SamplingParams, load_model
-from kernels.toolchain import cpu_flags
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")  # what picks a path
+from benchmarks._common import write_results  # noqa: E402
+from benchmarks.prefix_cache import cpu_simd_flags  # noqa: E402
+from engine import LLM, SamplingParams, load_model  # noqa: E402
 
 SPEEDS = ("reference", "fast")
 QUICK_ENV = "SERVELAB_FAST"
@@ -96,7 +98,7 @@ def main(argv=None) -> None:
         print("\n".join(str(r) for r in rows[-2:]))
     notes = ("x_decode / x_offline: the fast engine's tokens/s over the reference engine's, measured in the "
              "same run. tokens_equal: both speeds generated the same greedy tokens for the offline batch.")
-    flags = " ".join(sorted(f for f in cpu_flags() if f in SIMD_FLAGS)) or "none of " + str(SIMD_FLAGS)
+    flags = " ".join(cpu_simd_flags()) or "unknown"
     write_results("speeds", rows, {**cfg, "threads": args.threads, "cpu_flags": flags}, notes=notes,
                   results_dir=args.results_dir)
 

@@ -21,8 +21,10 @@ SPEED_HELP = ("reference: the readable path only (Python layers, reference atten
 def print_speed(engine) -> None:
     """One line per choice the engine's speed made, with its reason
     (stderr: the text stays clean)."""
+    reasons = engine.acceleration.reasons
     for name, choice in engine.acceleration.choices.items():
-        print(f"[{name}: {choice}]", file=sys.stderr, flush=True)
+        why = f" ({reasons[name]})" if name in reasons else ""
+        print(f"[{name}: {choice}{why}]", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> None:

@@ -299,8 +299,7 @@ class LLMEngine:
     def weight_layout(self) -> str:
         """"packed" when the runner computes with the fast wing's fused and packed copy, else
         "linear"."""
-        return ("packed" if self.acceleration.choices.get("weight_layout", "").startswith("packed")
-                else "linear")
+        return self.acceleration.choices.get("weight_layout", "linear")
 
     def get_request(self, request_id: str) -> Request:
         return self.requests[str(request_id)]
@@ -550,6 +549,7 @@ class LLMEngine:
                       "max_position_embeddings": cfg.max_position_embeddings},
             "dtype": self.config.dtype, "speed": self.config.speed,
             "speed_choices": dict(self.acceleration.choices),
+            "speed_reasons": dict(self.acceleration.reasons),
             "attention_backend": self.attention.backend, "num_threads": self.num_threads,
             "weight_layout": self.weight_layout,
             "layer_backend": "native" if getattr(self.runner, "decode_step", None) else "python",

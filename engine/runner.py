@@ -129,10 +129,11 @@ class Acceleration:
     why."""
 
     model: nn.Module
-    attention: Any  # PagedAttention, or a fast-wing backend with the same forward
+    attention: PagedAttention  # the reference, or a fast-wing subclass with the same forward
     decode_step: DecodeStep | None = None
     argmax: Callable[[Tensor], Tensor] = argmax_rows
-    choices: dict[str, str] = field(default_factory=dict)  # e.g. {"attention": "native: ..."}
+    choices: dict[str, str] = field(default_factory=dict)  # e.g. {"attention": "native"}
+    reasons: dict[str, str] = field(default_factory=dict)  # why each choice, in words
 
 
 def build_batch(work: list[ScheduledWork], block_manager: BlockManager,

@@ -25,8 +25,8 @@ def accelerate(model, kv_pool: PagedKVPool, config: EngineConfig, sliding_window
     """What a runner computes with, for `config.speed` (see the module docstring)."""
     if config.speed == "reference":
         return Acceleration(model, PagedAttention(kv_pool, sliding_window),
-                            choices={"speed": "reference (the spine only: Python layers, "
-                                              "reference attention)"})
+                            choices={"speed": "reference"},
+                            reasons={"speed": "the spine only: Python layers, reference attention"})
     # the door: the fast wing is imported here and nowhere else
     from engine.fast import accelerate as fast
 

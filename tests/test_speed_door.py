@@ -31,7 +31,7 @@ from engine.companions.naive import generate_naive
 from engine.llm_engine import LLMEngine, engine_config
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledWork
-from engine_fixtures import mixed_workload, naive_outputs, random_model, run_engine
+from engine_fixtures import random_model
 from hf_oracle import save_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,11 +65,14 @@ outs = llm.generate(prompts, params, use_tqdm=False)
 naive = [generate_naive(llm.engine.model, llm.tokenizer, p, params).token_ids for p in prompts]
 cache = str(kernel_cache_dir())
 maps = open("/proc/self/maps").read().splitlines()
+native = sys.modules.get("kernels.paged_attention.cpu_native")  # imported by the fast wing only
+c_built = native is not None and native.why_library_cannot_load() is None
 print(json.dumps({
     "fast_modules": sorted(m for m in sys.modules if m.startswith("engine.fast")),
     "kernel_modules": sorted(m for m in sys.modules if m.startswith("kernels.")),
     "our_libraries": sorted({line.split()[-1] for line in maps if cache in line}),
     "equal_naive": [o.outputs[0].token_ids == n for o, n in zip(outs, naive)],
+    "c_built": c_built,
 }))
 """
 
@@ -91,9 +94,10 @@ def test_a_reference_engine_runs_the_spine_alone_and_equals_the_naive_loop(model
                for m in ref["kernel_modules"]), ref
     assert ref["our_libraries"] == [], ref
     assert ref["equal_naive"] == [True, True]
+    assert ref["c_built"] is False
     fast = run_in_fresh_process(model, "fast")  # the control: the same probes see the fast wing
     assert fast["fast_modules"] and fast["equal_naive"] == [True, True]
-    if fast["kernel_modules"] and any("cpu_native" in m for m in fast["kernel_modules"]):
+    if fast["c_built"]:  # (no C compiler here: the fast wing runs sdpa and torch, nothing to map)
         assert fast["our_libraries"], "a fast engine that built C kernels must show them mapped"
 
 
@@ -226,15 +230,12 @@ def test_a_reference_engine_refuses_fast_options_by_name_and_records_its_speed()
     assert ref.trace.config["speed"] == "reference" and ref.runner.model is model
     assert ref.runner.decode_step is None and type(ref.attention).__name__ == "PagedAttention"
     fast = LLMEngine(model, None, engine_config("random", speed="fast"))
-    assert fast.trace.config["speed"] == "fast" and set(fast.trace.config["speed_choices"]) == {
+    config = fast.trace.config
+    assert config["speed"] == "fast" and set(config["speed_choices"]) == {
         "speed", "attention", "weight_layout", "layer_backend"}
-
-
-@pytest.mark.parametrize("speed", SPEEDS)
-def test_outputs_equal_the_naive_loop_in_both_speeds(speed):
-    model, workload = random_model(seed=4), mixed_workload(6, seed=4)
-    _, outputs = run_engine(model, workload, speed=speed, max_num_seqs=4)
-    assert list(outputs.values()) == naive_outputs(model, workload)
+    assert set(config["speed_reasons"]) == {"attention", "weight_layout", "layer_backend"}
+    assert config["speed_choices"]["weight_layout"] == fast.weight_layout == "packed"
+    assert config["speed_choices"]["layer_backend"] == ("native" if fast.runner.decode_step else "python")
 
 
 class BanToken:

@@ -15,10 +15,10 @@ seams the spine defines, filled in with faster parts.
                      (a `runner.DecodeStep`)
     argmax           the sampler's greedy argmax over a batch, in C
 
-Which of these run is decided by probes.py, once, with the reasons in words (`Choices`);
-`FastOptions` (engine/config.py) overrides them. Everything here is checked against the spine: the
-same greedy tokens as the naive loop, logits equal up to float rounding (the tests run both
-speeds).
+Which of these run is decided by probes.py, once, with the reasons in words
+(`Acceleration.choices`, `.reasons`); `FastOptions` (engine/config.py) overrides them. Everything
+here is checked against the spine: the same greedy tokens as the naive loop, logits equal up to
+float rounding (the tests run both speeds).
 """
 
 from __future__ import annotations
@@ -44,27 +44,26 @@ def accelerate(model, kv_pool, options: FastOptions, sliding_window: int | None,
     """The fast parts for one engine: a transformed copy of `model` (`transform_model=False` keeps
     the model as given: a tensor-parallel rank's shards), its attention backend, decode step and
     argmax."""
-    choices = probes.Choices()
-    name, choices.reasons["attention"] = probes.attention_backend(options.attention_backend,
-                                                                   kv_pool.device, kv_pool.dtype)
+    name, why_attention = probes.attention_backend(options.attention_backend, kv_pool.device,
+                                                   kv_pool.dtype)
     attention = (PlannedAttention(kv_pool, name, sliding_window) if name in PLANNED else
-                 KernelAttention(kv_pool, name, sliding_window))
-    choices.attention = attention.backend  # a backend that could not run fell back (with a warning)
+                 KernelAttention(kv_pool, name, sliding_window))  # may fall back, with a warning
     weight = model.embed_tokens.weight if transform_model else None  # (a pipeline stage has none)
     packed = transform_model and probes.use_packed(options.weight_layout, weight.dtype,
                                                    weight.device)
-    choices.weight_layout = "packed" if packed else "linear"
-    choices.reasons["weight_layout"] = (
-        "fused and packed for this CPU's matmuls" if packed
-        else f"kept as nn.Linear: {_why_linear(options, transform_model)}")
     if packed:
         model = transformed(model, options, num_threads)
     decode_step = native_layers_or_none(model, attention, options.layer_backend) if packed else None
-    choices.layer_backend = "native" if decode_step is not None else "python"
-    choices.reasons["layer_backend"] = ("small decode steps run every layer in one C call"
-                                        if decode_step is not None
-                                        else _why_python(model, attention, options))
-    return Acceleration(model, attention, decode_step, fast_argmax, choices.as_dict())
+    choices = {"attention": attention.backend, "weight_layout": "packed" if packed else "linear",
+               "layer_backend": "native" if decode_step is not None else "python"}
+    reasons = {
+        "attention": why_attention,
+        "weight_layout": ("fused and packed for this CPU's matmuls" if packed
+                          else f"kept as nn.Linear: {_why_linear(options, transform_model)}"),
+        "layer_backend": ("small decode steps run every layer in one C call"
+                          if decode_step is not None else _why_python(model, attention, options)),
+    }
+    return Acceleration(model, attention, decode_step, fast_argmax, choices, reasons)
 
 
 def transformed(model, options: FastOptions, num_threads: int):

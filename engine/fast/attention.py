@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.fast.probes import c_prefill_takes
+from engine.fast.probes import c_prefill_max_tokens
 from engine.runner import AttentionMetadata, PagedAttention
 from kernels.flash_prefill.cpu_native import flash_prefill_planned
 from kernels.paged_attention import (
@@ -149,10 +149,9 @@ class PlannedAttention(PagedAttention):
         if (self.backend != "native" or not meta.prefills or scales is not None
                 or q.dtype != pool_dtype):
             return []
-        if not heads_side_by_side(q):
-            return []
+        longest = c_prefill_max_tokens(q) if heads_side_by_side(q) else 0  # once per step
         return [i for i, (c, plan) in enumerate(zip(meta.prefills, prefills, strict=True))
-                if plan.mask is None and c_prefill_takes(q, c.hi - c.lo)]
+                if plan.mask is None and c.hi - c.lo <= longest]
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                 meta: AttentionMetadata) -> Tensor:

@@ -1,9 +1,9 @@
 """Every question the fast wing asks the machine, and every threshold it picks a path by, in one
 place.
 
-The fast wing never guesses per call: `choose(...)` asks each question once, when an engine is
-built, and returns `Choices`, what will run and why, in words. The engine records them in its trace;
-the CLI prints them (`python -m engine generate ... --speed fast` logs one line each).
+The fast wing asks these once, when an engine is built (`engine.fast.accelerate`), and hands the
+engine what it chose and why, in words (`Acceleration.choices` and `.reasons`). The engine records
+both in its trace; the CLI prints them (`python -m engine generate ... --speed fast`, a line each).
 
 The thresholds below were measured on the CPUs this project has run on; each says what it trades,
 and the numbers behind it live in benchmarks/results/ (`attention_backends.md`,
@@ -12,7 +12,7 @@ and the numbers behind it live in benchmarks/results/ (`attention_backends.md`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
 
 import torch
 from torch import Tensor
@@ -67,12 +67,15 @@ def use_packed(layout: str, dtype: torch.dtype, device: torch.device) -> bool:
     return layout == "packed"
 
 
-def c_prefill_takes(q: Tensor, num_tokens: int) -> bool:
-    """Does the C flash-prefill kernel take a whole prompt of `num_tokens` queries like `q`?"""
+def c_prefill_max_tokens(q: Tensor) -> int:
+    """The longest whole prompt of queries like `q` the C flash-prefill kernel takes: 0 where it
+    cannot run, C_PREFILL_BF16_MAX_TOKENS - 1 for bf16 where the CPU has bf16 instructions, else no
+    limit (sys.maxsize)."""
     if why_c_prefill_cannot_run(q) is not None:
-        return False
-    long_bf16 = q.dtype == torch.bfloat16 and bf16_instructions()
-    return not long_bf16 or num_tokens < C_PREFILL_BF16_MAX_TOKENS
+        return 0
+    if q.dtype == torch.bfloat16 and bf16_instructions():
+        return C_PREFILL_BF16_MAX_TOKENS - 1
+    return sys.maxsize
 
 
 def attention_backend(requested: str, device, pool_dtype: torch.dtype) -> tuple[str, str]:
@@ -84,21 +87,3 @@ def attention_backend(requested: str, device, pool_dtype: torch.dtype) -> tuple[
     if why is None:
         return "native", "the C decode kernel builds and reads these pools"
     return "sdpa", f"the C decode kernel cannot run ({why})"
-
-
-@dataclass
-class Choices:
-    """What the fast wing chose for one engine, each with its reason in words."""
-
-    attention: str = "sdpa"
-    weight_layout: str = "linear"
-    layer_backend: str = "python"
-    reasons: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, str]:
-        """{"attention": "native (the C decode kernel builds ...)", ...}: for the trace and the
-        CLI."""
-        picked = {"attention": self.attention, "weight_layout": self.weight_layout,
-                  "layer_backend": self.layer_backend}
-        return {k: f"{v} ({self.reasons[k]})" if k in self.reasons else v
-                for k, v in picked.items()}
