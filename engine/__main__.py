@@ -305,7 +305,9 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     s.add_argument("--enable-chunked-prefill", action="store_true", default=None)
-    s.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="share the KV blocks of common prompt prefixes (chapter 06); "
+                                      "on by default, --no-enable-prefix-caching turns it off")
     s.add_argument("--block-size", type=int, default=None)
     s.add_argument("--no-dashboard", action="store_true",
                    help="do not serve the classroom page /dashboard")

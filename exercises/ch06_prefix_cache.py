@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
-from engine.kv.prefix_cache import PUBLIC_SCOPE
+from engine.kv.prefix_cache import PUBLIC_SCOPE, root_hash  # noqa: F401 (root_hash: given, yours to use)
 from engine.kv.prefix_cache import block_hashes as engine_block_hashes
 
 BUG_ZOO = ("a planted bug lives below this line: delete this raise, run the checks, then find and "
@@ -38,12 +38,18 @@ BUG_ZOO = ("a planted bug lives below this line: delete this raise, run the chec
 
 
 def block_hash(parent: str | None, token_ids: Sequence[int], extra_keys: Sequence) -> str:
-    """The hash of one full block, exactly as the engine computes it: sha256 of the canonical JSON
-    text of the list [parent, [the token ids as ints], [the extra keys]], written with separators
-    (",", ":"), encoded as UTF-8; returned as its hex digest (64 characters).
+    """The hash of one full block, exactly as the engine computes it, as a hex digest (64
+    characters): sha256 over a fixed binary layout,
+
+        the parent's hash as 32 raw bytes (for block 0, parent None: the raw bytes of
+        root_hash(extra_keys), given above: sha256 of the extra keys' JSON text)
+        then the block's token ids, each as a little-endian signed 64-bit integer.
+
+    The extra keys are read only for block 0: every later hash inherits them through the chain.
     """
-    raise NotImplementedError("json.dumps([parent, [int(t) for t in token_ids], list(extra_keys)], "
-                              "separators=(',', ':')), then hashlib.sha256(...).hexdigest()")
+    raise NotImplementedError(
+        "the docstring names every ingredient: which standard module turns a hex string back into "
+        "bytes, which one packs integers into a fixed binary layout, and which one hashes bytes?")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Sequence, start: int = 0,
@@ -51,8 +57,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Sequence
     """Hashes of the FULL blocks start, start + 1, ... of token_ids, each chained on the one before
     (`parent` is the hash of block start - 1; None for block 0).
     The partial last block gets none."""
-    raise NotImplementedError("loop i over range(start, len(token_ids) // block_size); "
-                              "parent = block_hash(parent, the block's tokens, extra_keys)")
+    raise NotImplementedError(
+        "which blocks are full, and what does each one's hash chain on? Where does the chain "
+        "start when start > 0?")
 
 
 def find_cached_prefix(token_ids: Sequence[int], extra_keys: Sequence, max_tokens: int,
@@ -61,8 +68,9 @@ def find_cached_prefix(token_ids: Sequence[int], extra_keys: Sequence, max_token
     most `max_tokens` tokens. `cached` maps a block hash to the physical block that holds it. The
     first block whose hash is not cached ends the prefix (later blocks cannot be used even if
     cached: their K/V attended to the missing block). [] when nothing is cached."""
-    raise NotImplementedError("hash the full blocks of token_ids[:max_tokens]; collect cached[h] "
-                              "until the first hash that is not in cached")
+    raise NotImplementedError(
+        "how many tokens may the prefix cover at most, and why can no block after the first "
+        "uncached one be used?")
 
 
 def cached_prefix_tokens(prompt_len: int, shared_len: int, block_size: int) -> int:
@@ -70,8 +78,9 @@ def cached_prefix_tokens(prompt_len: int, shared_len: int, block_size: int) -> i
     (and are still cached): how many of its tokens does the engine find in the cache? Whole blocks
     only, and never the prompt's last token (its logits are needed). ValueError unless
     1 <= prompt_len, 0 <= shared_len <= prompt_len and block_size >= 1."""
-    raise NotImplementedError("the smaller of shared_len and prompt_len - 1, rounded DOWN "
-                              "to whole blocks")
+    raise NotImplementedError(
+        "which two limits cap the cached tokens (what was shared, and the token whose logits the "
+        "engine needs), and in what units does the cache count? Which inputs make no sense?")
 
 
 # ---- part 2: the bug zoo -------------------------------------------------------------------------

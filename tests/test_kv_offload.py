@@ -112,7 +112,8 @@ def test_reset_prefix_cache_empties_the_host_tier_too():
     assert (host.used_blocks, host.free_blocks) == (0, 3) and bm.find_cached_prefix([3] * 5, KEY, 4) == []
 
 
-@pytest.mark.parametrize("options", [dict(kv_offload_blocks=4), dict(kv_offload_blocks=-1, enable_prefix_caching=True),
+@pytest.mark.parametrize("options", [dict(kv_offload_blocks=4, enable_prefix_caching=False),
+                                     dict(kv_offload_blocks=-1, enable_prefix_caching=True),
                                      dict(kv_offload_blocks=2.5, enable_prefix_caching=True)])
 def test_bad_host_tier_options_name_the_field(options):
     with pytest.raises(ValueError, match="kv_offload_blocks"):

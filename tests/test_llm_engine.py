@@ -254,7 +254,9 @@ def test_a_step_report_accounts_for_blocks_and_queues(model):
     assert report.queues.running == [a] and report.queues.waiting == [b]
     assert report.blocks.tables == {a: report.blocks.tables[a]} and len(report.blocks.tables[a]) == 2
     assert (report.blocks.used, report.blocks.free, report.blocks.wasted_slots) == (2, 14, 2)  # 6 of 8 slots
-    assert [e["type"] for e in report.events] == ["arrived", "arrived", "admitted"]
+    # prefix caching is on by default: the admitted request's lookup is a "prefix_hit" event (0 tokens: a miss)
+    assert [e["type"] for e in report.events] == ["arrived", "arrived", "admitted", "prefix_hit"]
+    assert report.events[-1]["num_tokens"] == 0
     while engine.has_unfinished_requests():
         report = engine.step()
     assert report.queues.finished == {b: "length"}

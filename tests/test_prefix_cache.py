@@ -117,8 +117,8 @@ def test_the_model_id_follows_the_weights_and_nothing_else():
     assert ident != model_id("random", b.config, b.state_dict().items())
 
 
-def test_enable_prefix_caching_must_be_a_bool_and_is_off_by_default():
-    assert CacheConfig().enable_prefix_caching is False
+def test_enable_prefix_caching_must_be_a_bool_and_is_on_by_default():
+    assert CacheConfig().enable_prefix_caching is True  # vLLM's default
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
         CacheConfig(enable_prefix_caching="yes")
 

@@ -271,7 +271,10 @@ def test_a_bad_logits_processor_is_refused_by_name():
         SamplingParams(logits_processors=[3])
 
 
-MAX_FILES_ON_THE_WALK = 14  # the issue's bar: the spine a student steps through, file by file
+# The spine a student steps through, file by file. Issue 29's bar was 14 with prefix caching off (13 were
+# walked); with it on by default (issue 32, as in vLLM) the walk adds engine/kv/prefix_cache.py and its
+# eviction policy, engine/kv/evictor.py.
+MAX_FILES_ON_THE_WALK = 15
 
 
 def files_touched_by_one_request(speed: str) -> set[str]:
@@ -296,7 +299,7 @@ def files_touched_by_one_request(speed: str) -> set[str]:
     return touched
 
 
-def test_one_request_in_reference_mode_walks_at_most_fourteen_files_and_no_fast_code():
+def test_one_request_in_reference_mode_walks_at_most_fifteen_files_and_no_fast_code():
     reference, fast = files_touched_by_one_request("reference"), files_touched_by_one_request("fast")
     assert len(reference) <= MAX_FILES_ON_THE_WALK, sorted(reference)
     assert not any(f.startswith("engine/fast/") for f in reference), sorted(reference)

@@ -301,6 +301,8 @@ class _Sequence:
     num_tokens: int
     # the hashes of its first full blocks whose K/V is written
     block_hashes: list[str] = field(default_factory=list)
+    # its first blocks already offered to the prefix cache (cache_blocks starts after them)
+    num_registered: int = 0
 
 
 class BlockManager:
@@ -525,6 +527,7 @@ class BlockManager:
         freed = {b for b in reversed(leaving) if self.allocator.free(b)}  # tail first, as in free
         del table[keep:]
         del seq.block_hashes[full:]
+        seq.num_registered = min(seq.num_registered, full)
         seq.num_tokens = keep_tokens
         return [b for b in leaving if b in freed]
 
@@ -560,7 +563,8 @@ class BlockManager:
             self.allocator.incref(block)
         self._seqs[child_id] = _Sequence(block_table=list(parent.block_table),
                                          num_tokens=parent.num_tokens,
-                                         block_hashes=list(parent.block_hashes))
+                                         block_hashes=list(parent.block_hashes),
+                                         num_registered=parent.num_registered)
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence, on the device or swapped; blocks nobody else holds go back to the
@@ -734,8 +738,8 @@ class BlockManager:
         without a cache.
 
         We hash only the blocks that filled since the last call (the chain continues from the last
-        hash), and register every full block not registered yet (e.g. the fresh copies a swap-in
-        made).
+        hash), and offer only the blocks not offered yet (a swap-in's fresh copies start again from
+        block 0), so a step's cost is its new full blocks, not the whole table.
         """
         if self.prefix_cache is None:
             return
@@ -746,9 +750,10 @@ class BlockManager:
             parent = seq.block_hashes[-1] if known else None
             seq.block_hashes += block_hashes(token_ids[:full * self.block_size], self.block_size,
                                              extra_keys, start=known, parent=parent)
-        for block, h in zip(seq.block_table, seq.block_hashes[:full], strict=False):
-            if block != NULL_BLOCK:
-                self.prefix_cache.register(block, h)
+        for i in range(seq.num_registered, full):
+            if seq.block_table[i] != NULL_BLOCK:
+                self.prefix_cache.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered = max(seq.num_registered, full)
 
     def cached_block_ids(self) -> list[int]:
         """The free-but-cached blocks in eviction order, the next victim first."""

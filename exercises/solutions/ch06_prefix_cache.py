@@ -5,18 +5,17 @@ tenant in the key)."""
 from __future__ import annotations
 
 import hashlib
-import json
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
-from engine.kv.prefix_cache import PUBLIC_SCOPE
+from engine.kv.prefix_cache import PUBLIC_SCOPE, root_hash
 from engine.kv.prefix_cache import block_hashes as engine_block_hashes
 
 
 def block_hash(parent: str | None, token_ids: Sequence[int], extra_keys: Sequence) -> str:
-    payload = json.dumps(
-        [parent, [int(t) for t in token_ids], list(extra_keys)], separators=(",", ":"))
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    start = bytes.fromhex(parent if parent is not None else root_hash(extra_keys))
+    return hashlib.sha256(start + struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: Sequence, start: int = 0,
