@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from engine.trace import SERVER_FULL_STEPS, TRACE_FILE_MAX_BYTES
+
 # What a user's bad input raises (a wrong option, a broken model folder or file, an unknown name);
 # anything else is a bug in servelab and keeps its traceback.
 CLI_ERRORS = (ValueError, TypeError, KeyError, OSError)
@@ -249,7 +251,9 @@ def cmd_serve(args) -> None:
     from engine.llm_engine import LLMEngine
     from engine.serving.admission import api_keys_from_args, limits_from_args
     from engine.serving.dashboard import attach_dashboard
-    from engine.serving.server import build_app, serve
+    from engine.serving.lifecycle import serve
+    from engine.serving.server import build_app
+    from engine.trace import TraceRetention
 
     options = {"max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -258,18 +262,21 @@ def cmd_serve(args) -> None:
                "default_tenant_max_running": args.tenant_max_running}
     # bad flags: before loading
     limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)
+    trace = TraceRetention.server(args.trace_steps, args.trace_file,
+                                  file_max_bytes=int(args.trace_file_max_mb * 2**20))
     engine = LLMEngine.from_pretrained(args.model, args.dtype, speed=args.speed,
                                        **{k: v for k, v in options.items() if v is not None})
     print_speed(engine)
-    app = build_app(engine, args.served_model_name or args.model, limits=limits, api_keys=keys)
+    app = build_app(engine, args.served_model_name or args.model, limits=limits, api_keys=keys,
+                    trace=trace)
     if not args.no_dashboard:
         attach_dashboard(app)  # the classroom page: http://HOST:PORT/dashboard
-    serve(app, args.host, args.port)
+    serve(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def cmd_dashboard(args) -> None:
     from engine.serving.dashboard import replay_app
-    from engine.serving.server import serve
+    from engine.serving.lifecycle import serve
     from engine.trace import Trace
 
     app, player = replay_app(Trace.load(args.replay), speed=args.speed)
@@ -309,6 +316,18 @@ def _add_serve_parsers(sub) -> None:
                    default=None, help="share the KV blocks of common prompt prefixes (chapter 06); "
                                       "on by default, --no-enable-prefix-caching turns it off")
     s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="seconds SIGTERM lets the requests in flight finish before they are "
+                        "aborted (default 30: engine/serving/lifecycle.py); a second signal "
+                        "exits at once")
+    s.add_argument("--trace-steps", type=int, default=SERVER_FULL_STEPS,
+                   help="full step reports kept in memory, the newest (default "
+                        f"{SERVER_FULL_STEPS}); memory stays bounded however long it runs")
+    s.add_argument("--trace-file", default=None,
+                   help="also stream every step report to this file as JSON lines, rotated "
+                        "(python -m engine diagnose FILE reads it)")
+    s.add_argument("--trace-file-max-mb", type=float, default=TRACE_FILE_MAX_BYTES / 2**20,
+                   help="rotate the trace file at this size (3 old files kept)")
     s.add_argument("--no-dashboard", action="store_true",
                    help="do not serve the classroom page /dashboard")
     s.add_argument("--tenant-max-running", type=int, default=None,

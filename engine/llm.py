@@ -17,10 +17,9 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
-
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import LlamaModel
+from engine.progress import progress_bar
 from engine.request import Request
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
@@ -118,7 +117,8 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
                 ids.append(engine.add_request(prompt, sp))
-            with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            with progress_bar(total=len(ids), disable=not use_tqdm, desc="generate",
+                              unit="req") as bar:
                 while engine.has_unfinished_requests():
                     bar.update(len(_step_or_warn(engine).queues.finished))
         except BaseException as exc:

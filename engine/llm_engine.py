@@ -128,7 +128,7 @@ class LLMEngine:
         # this process's forward, or rank 0's of several
         self.runner = self._make_runner(model, pool)
         self.kv_pool, self.attention = self.runner.kv_pool, self.runner.attention  # rank 0's share
-        log_kv_cache(self.kv_pool, self.max_model_len)
+        log_kv_cache(self.kv_pool, self.max_model_len, config.cache)
         self.device = weight.device
         self.eos = eos_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}

@@ -31,6 +31,7 @@ same arithmetic with batched tensor ops.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -38,6 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit integer
+SEED_RANGE = (-(2**63), 2**64 - 1)
 # vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy (t -> 0)
 GREEDY_EPSILON = 1e-5
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's documented range for presence and frequency penalties
@@ -86,12 +89,18 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         lo, hi = PENALTY_RANGE
         _require(self.n >= 1, "n", self.n, ">= 1")
-        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+                 self.temperature, "a finite number >= 0 (0 means greedy)")
+        _require(self.seed is None or (type(self.seed) is int
+                                       and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+                 "seed", self.seed, f"None or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] "
+                 "(what torch.Generator.manual_seed takes)")
         _require(self.top_k >= -1, "top_k", self.top_k, ">= 1, or 0 / -1 to switch top-k off")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-                 "> 0 (1 means no penalty)")
+        _require(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                 "repetition_penalty", self.repetition_penalty,
+                 "a finite number > 0 (1 means no penalty)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(lo <= value <= hi, name, value, f"in [{lo}, {hi}]")

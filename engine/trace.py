@@ -56,6 +56,7 @@ The events (small dicts, `type` first):
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -190,15 +191,167 @@ class RequestTimes:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class StepSummary:
+    """One step in a few numbers: what a server keeps for its whole recent past (a fixed ~200 bytes
+    a step, whatever the workload; a `StepReport` copies every block table)."""
+
+    step: int
+    end_time: float
+    busy_s: float  # the step's time_s.total
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_cached: int
+    finished: int  # requests that finished (or were aborted) in this step
+
+    @classmethod
+    def of(cls, r: StepReport) -> StepSummary:
+        return cls(r.step, r.end_time, r.time_s.total, r.num_prefill_tokens, r.num_decode_tokens,
+                   len(r.queues.running), len(r.queues.waiting), r.blocks.used, r.blocks.cached,
+                   len(r.queues.finished))
+
+
+# A server's defaults (python -m engine serve --trace-steps / --trace-file): a short window of full
+# reports (a few MB even with many long requests), a long one of summaries (~4 MB).
+SERVER_FULL_STEPS = 1_000
+SERVER_SUMMARY_STEPS = 20_000
+TRACE_FILE_MAX_BYTES = 100 * 2**20  # one trace file before it is rotated
+TRACE_FILE_BACKUPS = 3  # rotated files kept: PATH.1 (newest) .. PATH.3 (oldest)
+
+
+@dataclass(frozen=True)
+class TraceRetention:
+    """How much of its past a `Trace` keeps: the one place this policy lives.
+
+    A learner's run is short, so notebooks, `LLM.generate` and every `LLMEngine` keep everything
+    (`TraceRetention()`, the default). A server runs for weeks: `TraceRetention.server()` keeps the
+    last `full_steps` reports whole, a summary (`StepSummary`) of the last `summary_steps`, and can
+    stream every full report to `file` as JSON lines (rotated at `file_max_bytes`, `file_backups`
+    old files kept), so memory is bounded in bytes however long it runs. Metrics that span the
+    server's life (/metrics, the dashboard) are folded in step by step; they never read the trace.
+    """
+
+    full_steps: int | None = None  # None: every report
+    summary_steps: int = 0
+    file: Path | None = None
+    file_max_bytes: int = TRACE_FILE_MAX_BYTES
+    file_backups: int = TRACE_FILE_BACKUPS
+
+    def __post_init__(self) -> None:
+        if self.full_steps is not None and (isinstance(self.full_steps, bool)
+                                            or not isinstance(self.full_steps, int)
+                                            or self.full_steps < 1):
+            raise ValueError(f"trace full_steps={self.full_steps!r} must be an integer >= 1 "
+                             "(or None to keep every step)")
+        for name in ("summary_steps", "file_backups"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"trace {name}={value!r} must be an integer >= 0")
+        if isinstance(self.file_max_bytes, bool) or not isinstance(self.file_max_bytes, int) \
+                or self.file_max_bytes < 4096:
+            raise ValueError(f"trace file_max_bytes={self.file_max_bytes!r} must be an integer "
+                             ">= 4096")
+
+    @classmethod
+    def server(cls, full_steps: int = SERVER_FULL_STEPS, file: str | Path | None = None,
+               summary_steps: int = SERVER_SUMMARY_STEPS,
+               file_max_bytes: int = TRACE_FILE_MAX_BYTES) -> TraceRetention:
+        return cls(full_steps, summary_steps, None if file is None else Path(file),
+                   file_max_bytes)
+
+
+class TraceFile:
+    """Full `StepReport`s appended to a file as JSON lines, rotated like logging's
+    RotatingFileHandler: when PATH would pass max_bytes it becomes PATH.1 (PATH.1 becomes PATH.2,
+    ...; the oldest beyond `backups` is deleted). Every file starts with a {"config": ...} line, so
+    each one loads on its own (`Trace.load`, `python -m engine diagnose PATH`)."""
+
+    def __init__(self, path: Path, config: dict, max_bytes: int, backups: int):
+        self.path, self.config = Path(path), config
+        self.max_bytes, self.backups = max_bytes, backups
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._open()
+
+    def write(self, report: StepReport) -> None:
+        line = json.dumps(report.to_dict(), separators=(",", ":")) + "\n"
+        if self._file.tell() + len(line) > self.max_bytes:
+            self._rotate()
+        self._file.write(line)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _open(self) -> None:
+        self._file = self.path.open("w", encoding="utf-8")
+        self._file.write(json.dumps({"config": self.config}, default=str) + "\n")
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.backups - 1, 0, -1):  # PATH.i -> PATH.i+1, the oldest overwritten
+            older = self._backup(i)
+            if older.exists():
+                older.replace(self._backup(i + 1))
+        if self.backups:
+            self.path.replace(self._backup(1))
+        self._open()  # "w": without backups, the file starts again
+
+    def _backup(self, i: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{i}")
+
+
 @dataclass
 class Trace:
-    """The configuration of a run and the `StepReport` of each of its steps."""
+    """The configuration of a run and the `StepReport` of each of its steps (all of them by
+    default; `retention` says otherwise, see `TraceRetention`)."""
 
     config: dict = field(default_factory=dict)
     steps: list[StepReport] = field(default_factory=list)
+    # how much is kept; not part of what a trace IS (two traces of the same run compare equal)
+    retention: TraceRetention = field(default_factory=TraceRetention, compare=False)
+    # the last retention.summary_steps steps, one `StepSummary` each
+    summaries: deque = field(default_factory=deque, repr=False, compare=False)
+    # steps ever appended (more than len(steps) once a window drops some)
+    num_recorded: int = field(default=0, compare=False)
+    _file: TraceFile | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.num_recorded = max(self.num_recorded, len(self.steps))
+
+    def retain(self, retention: TraceRetention) -> None:
+        """Switch to `retention` from now on (the steps kept so far are trimmed to it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.retention = retention
+        self.summaries = deque(self.summaries, maxlen=retention.summary_steps)
+        if retention.file is not None:
+            self._file = TraceFile(retention.file, self.config, retention.file_max_bytes,
+                                   retention.file_backups)
+        self._trim()
 
     def append(self, report: StepReport) -> None:
+        self.num_recorded += 1
         self.steps.append(report)
+        if self.retention.summary_steps:
+            self.summaries.append(StepSummary.of(report))
+        if self._file is not None:
+            self._file.write(report)
+        self._trim()
+
+    def close(self) -> None:
+        """Close the trace file, if any (a server at shutdown)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _trim(self) -> None:
+        keep = self.retention.full_steps
+        if keep is not None and len(self.steps) > keep:
+            del self.steps[: len(self.steps) - keep]
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -212,7 +365,14 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        data = json.loads(Path(path).read_text())
+        """A trace `save` wrote (one JSON document), or a server's trace file (JSON lines: a
+        {"config": ...} line, then one StepReport a line)."""
+        text = Path(path).read_text()
+        if text.startswith('{"config"'):  # `save` writes '{\n "config"' (indented)
+            head, *lines = text.splitlines()
+            return cls(config=json.loads(head)["config"],
+                       steps=[StepReport.from_dict(json.loads(line)) for line in lines if line])
+        data = json.loads(text)
         return cls(config=data["config"], steps=[StepReport.from_dict(s) for s in data["steps"]])
 
     # ---- per-request views, for metrics and the timeline ---------------------------------------

@@ -12,10 +12,15 @@ order they are written. From a terminal:
 
     python -m exercises list
     python -m exercises check ch01              # your file
+    python -m exercises check ch01 --hint       # the same, with the fuller hints
     python -m exercises check ch01 --solutions  # the reference
 
-and from Python (a notebook, a test): `run_checks("ch01")`, which re-imports your file each time
-so that edits show up without restarting the kernel.
+and from Python (a notebook, a test): `print(format_results(run_checks("ch01")))`; run_checks
+re-imports your file each time so that edits show up without restarting the kernel.
+
+Every exercise has two hints: a question in the stub's NotImplementedError (the check table shows
+it), and the recipe in exercises/hints.py, which `--hint` (or `format_hints`) prints for each
+function a failing check used.
 """
 
 from __future__ import annotations
@@ -24,18 +29,25 @@ import importlib
 import inspect
 import re
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from exercises.hints import FULL_HINTS
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 CHAPTER_RE = re.compile(r"(?:ch)?(\d{1,2})")  # "ch01", "01" and "1" all name chapter 01
 CHECK_PREFIX = "check_"
 
-__all__ = ["CheckResult", "exercise_path", "list_chapters", "load_checks", "load_module",
-           "run_checks"]
+TABLE_WIDTH = 100  # columns of a check table: a terminal's or a notebook cell's width
+REASON_INDENT = 6  # a reason goes under its check's name, after "FAIL  "
+SAME_AS_ABOVE = '" (same as above)'  # a stub's hint is shown once, not once per check it fails
+
+__all__ = ["CheckResult", "exercise_path", "format_hints", "format_results", "list_chapters",
+           "load_checks", "load_module", "run_checks"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,9 @@ class CheckResult:
     name: str
     passed: bool
     reason: str = ""  # why it failed; empty when it passed
+    # (function, its level-2 hint) for the functions of the module this failed check used that
+    # have one: only the unimplemented one when it raised NotImplementedError
+    hints: tuple[tuple[str, str], ...] = ()
 
 
 def list_chapters() -> list[str]:
@@ -119,11 +134,24 @@ def _where_in(err: Exception, files: set[str]) -> str:
     return f"{shown}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
+def _raising_function(err: Exception, files: set[str]) -> str:
+    """The qualified name ("top_p_filter", "TokenBucket.refill") of the last function inside
+    `files` that the error passed through, or ""."""
+    names, tb = [], err.__traceback__
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) in files:
+            names.append(tb.tb_frame.f_code.co_qualname)
+        tb = tb.tb_next
+    return names[-1] if names else ""
+
+
 def _failure_reason(err: Exception, files: set[str] = frozenset()) -> str:
     """Why a check failed. A check's own assertion speaks for itself; an error raised inside the
-    student's code also says where: the last line of their file that ran, so they can go there."""
+    student's code also says where: the last line of their file that ran, so they can go there.
+    An unwritten stub names itself and asks its question (the level-1 hint)."""
     if isinstance(err, NotImplementedError):
-        return f"not implemented yet: {err}".rstrip(": ")
+        function = _raising_function(err, files)
+        return f"not implemented yet{f' ({function})' if function else ''}: {err}".rstrip(": ")
     where = _where_in(err, files)
     if isinstance(err, AssertionError) and str(err) and not where:
         return str(err)
@@ -131,19 +159,88 @@ def _failure_reason(err: Exception, files: set[str] = frozenset()) -> str:
     return f"{message}\n  at {where}" if where else message
 
 
+class _NameRecorder:
+    """Stands in for the module under test and notes which of its names a check looks up, so that
+    a failed check can offer the hints of exactly the functions it used."""
+
+    def __init__(self, module):
+        object.__setattr__(self, "_recorded_module", module)
+        object.__setattr__(self, "_recorded_names", [])
+
+    def __getattr__(self, name: str):
+        value = getattr(self._recorded_module, name)  # an AttributeError is the check's to see
+        if name not in self._recorded_names:
+            self._recorded_names.append(name)
+        return value
+
+
+def _hints_for(chapter: str, err: Exception, files: set[str],
+               used: list[str]) -> tuple[tuple[str, str], ...]:
+    """(function, level-2 hint) pairs for a failed check: the unwritten stub alone when it was
+    one, else every function (or every method of a class) the check used, in order of first use."""
+    raising = _raising_function(err, files) if isinstance(err, NotImplementedError) else ""
+    names = [raising] if raising else used
+    table = FULL_HINTS.get(chapter, {})
+    picked = [key for name in names for key in table if key == name or key.startswith(f"{name}.")]
+    return tuple((key, table[key]) for key in dict.fromkeys(picked))
+
+
 def run_checks(chapter: str | int, solutions: bool = False,
                module: ModuleType | None = None) -> list[CheckResult]:
     """Run every check of a chapter against your module, the reference (solutions=True), or any
     object with the right functions (module=...). A check that raises anything fails; the rest
-    still run. An error raised inside the module's code names its file and line in the reason."""
-    target = module if module is not None else load_module(chapter, solutions)
+    still run. An error raised inside the module's code names its file and line in the reason;
+    a failed check carries the level-2 hints of the functions it used (see `format_hints`)."""
+    name = _chapter_name(chapter)
+    target = module if module is not None else load_module(name, solutions)
     files = _source_files(target)
     results = []
-    for name, check in load_checks(chapter):
+    for claim, check in load_checks(name):
+        recorder = _NameRecorder(target)
         try:
-            check(target)
+            check(recorder)
         except Exception as err:  # noqa: BLE001 - any error in the student's code is a failed check
-            results.append(CheckResult(name, False, _failure_reason(err, files)))
+            hints = _hints_for(name, err, files, recorder._recorded_names)
+            results.append(CheckResult(claim, False, _failure_reason(err, files), hints))
         else:
-            results.append(CheckResult(name, True))
+            results.append(CheckResult(claim, True))
     return results
+
+
+def _wrap(text: str, indent: int, width: int) -> list[str]:
+    """`text` wrapped at word boundaries (a long word or path stays whole), each of its own lines
+    on its own, every line indented by `indent` spaces."""
+    pad = " " * indent
+    lines = []
+    for line in text.splitlines() or [""]:
+        lines += textwrap.wrap(line, width, initial_indent=pad, subsequent_indent=pad,
+                               break_long_words=False, break_on_hyphens=False) or [pad]
+    return lines
+
+
+def format_results(results: list[CheckResult], width: int = TABLE_WIDTH) -> str:
+    """The results as text: one line per check (PASS or FAIL and its claim), a failed check's
+    reason under it, wrapped at word boundaries to `width` columns (never cut mid-word). A reason
+    equal to the one above (a stub's hint, failing several checks) is not repeated.
+
+        FAIL  top_p_keeps_the_boundary_token
+              not implemented yet (top_p_filter): in probabilities sorted from most to least
+              likely, where does the running total first reach p? ...
+        PASS  top_p_of_one_keeps_every_token
+    """
+    lines, previous = [], None
+    for r in results:
+        lines.append(f"{'PASS' if r.passed else 'FAIL'}  {r.name}")
+        if r.reason:
+            reason = SAME_AS_ABOVE if r.reason == previous else r.reason
+            lines += _wrap(reason, REASON_INDENT, width)
+        previous = r.reason
+    return "\n".join(lines)
+
+
+def format_hints(results: list[CheckResult], width: int = TABLE_WIDTH) -> str:
+    """The level-2 hint of each function the failed checks used, once each, in order; "" when
+    none of them has one (every check passed, or the module has no hinted functions)."""
+    seen = dict(pair for r in results if not r.passed for pair in r.hints)
+    blocks = [[function, *_wrap(hint, REASON_INDENT, width)] for function, hint in seen.items()]
+    return "\n".join(line for block in blocks for line in block)

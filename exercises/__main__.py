@@ -1,10 +1,15 @@
-"""`python -m exercises list` and `python -m exercises check chNN [--solutions]`.
+"""`python -m exercises list` and `python -m exercises check chNN [--hint] [--solutions]`.
 
-`check` prints one row per check and exits with status 1 if any check failed:
+`check` prints one line per check, a failed check's reason under it (for a stub not written yet,
+the stub's question: the level-1 hint), and exits with status 1 if any check failed:
 
-    check                              result  reason
-    temperature_divides_the_logits     PASS
-    top_p_keeps_the_boundary_token     FAIL    not implemented yet: sort the probabilities ...
+    PASS  temperature_divides_the_logits
+    FAIL  top_p_keeps_the_boundary_token
+          not implemented yet (top_p_filter): in probabilities sorted from most to least likely,
+          where does the running total first reach p? ...
+
+`--hint` adds, under the table, the level-2 hint (exercises/hints.py) of each function a failing
+check used.
 """
 
 from __future__ import annotations
@@ -12,37 +17,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from exercises import PACKAGE_DIR, CheckResult, exercise_path, list_chapters, run_checks
-
-RESULT_COLUMN = 8  # wide enough for "result" plus a gap
-# a stub's hint is shown once, not once per check of that function
-SAME_AS_ABOVE = '" (same as above)'
-
-
-def format_table(results: list[CheckResult]) -> str:
-    """The results as aligned text; a multi-line reason continues under the reason column."""
-    width = max([len("check"), *(len(r.name) for r in results)]) + 2
-    lines = ["check".ljust(width) + "result".ljust(RESULT_COLUMN) + "reason"]
-    previous = None
-    for r in results:
-        reason = SAME_AS_ABOVE if r.reason and r.reason == previous else r.reason
-        previous = r.reason
-        first, *rest = reason.splitlines() or [""]
-        verdict = "PASS" if r.passed else "FAIL"
-        lines.append((r.name.ljust(width) + verdict.ljust(RESULT_COLUMN) + first).rstrip())
-        lines += [" " * (width + RESULT_COLUMN) + more for more in rest]
-    return "\n".join(lines)
+from exercises import (
+    PACKAGE_DIR,
+    exercise_path,
+    format_hints,
+    format_results,
+    list_chapters,
+    run_checks,
+)
 
 
-def check(chapter: str, solutions: bool) -> int:
+def check(chapter: str, solutions: bool, hint: bool = False) -> int:
     path = exercise_path(chapter, solutions).relative_to(PACKAGE_DIR.parent)
     print(f"checking {path}\n")
     results = run_checks(chapter, solutions=solutions)
-    print(format_table(results))
+    print(format_results(results))
     passed = sum(r.passed for r in results)
     print(f"\n{passed}/{len(results)} checks passed.")
+    hints = format_hints(results)
+    if hint and hints:
+        print(f"\nThe fuller hints, for the functions the failing checks used:\n\n{hints}")
     if passed < len(results) and not solutions:
         print(f"Edit {path} and run this command again.")
+        if hints and not hint:
+            print(f"Stuck? `python -m exercises check {chapter} --hint` adds a fuller hint\n"
+                  "for each function a failing check used.")
     return 0 if passed == len(results) else 1
 
 
@@ -55,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("chapter", help="e.g. ch01 (or 1)")
     run.add_argument("--solutions", action="store_true",
                      help="check the reference solutions instead")
+    run.add_argument("--hint", action="store_true",
+                     help="also print the fuller hint of each function a failing check used")
     args = parser.parse_args(argv)
     if args.command == "list":
         for chapter in list_chapters():
             print(f"{chapter}  {exercise_path(chapter).name}")
         return 0
     try:
-        return check(args.chapter, args.solutions)
+        return check(args.chapter, args.solutions, args.hint)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

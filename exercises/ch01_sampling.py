@@ -20,16 +20,16 @@ import torch
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Divide the logits by the temperature (> 0): below 1 sharpens, above 1 flattens."""
     raise NotImplementedError(
-        "which arithmetic makes t = 2 flatten the distribution and t = 0.5 sharpen it? "
-        "Return a new tensor: the caller still needs its logits")
+        "which arithmetic on the logits makes t = 2 flatten the distribution and t = 0.5 sharpen "
+        "it? And does the caller get their logits back unchanged?")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (and any tied with the k-th);
     0, -1 or k >= V: keep all."""
     raise NotImplementedError(
-        "what is the k-th largest logit of each row (torch.topk can tell you)? Which tokens lie "
-        "below it? Mind the tokens tied with it, and the values of k that mean 'off'")
+        "what is the k-th largest logit of each row, and which tokens lie strictly below it? What "
+        "about the tokens tied with it, and the values of k that mean 'off'?")
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
@@ -40,16 +40,16 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     order a sort puts tied tokens in). p = 1.0 keeps everything.
     """
     raise NotImplementedError(
-        "in probabilities sorted from most to least likely, where does the running total reach p? "
-        "Decide which tokens stay by comparing values with the boundary token's, not by position "
-        "in the sort")
+        "in probabilities sorted from most to least likely, at which token does the running total "
+        "first reach p? Which other tokens are exactly as likely as that one, wherever the sort "
+        "put them?")
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """Drop the tokens whose probability is below min_p times the top token's probability."""
     raise NotImplementedError(
-        "the threshold is relative to each row's most likely token: a batch has one threshold "
-        "per row")
+        "the threshold is min_p times which probability? And how many thresholds does a batch of "
+        "B rows need?")
 
 
 def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor],
@@ -61,5 +61,5 @@ def naive_generate(next_token_logits_fn: Callable[[list[int]], torch.Tensor],
     Leave the caller's prompt_ids as they were.
     """
     raise NotImplementedError(
-        "greedy gives the same answer on every run: no sampling. Grow a sequence of your own "
-        "(not the caller's list), ask the model about all of it each step, and decide when to stop")
+        "what makes greedy decoding give the same answer on every run? Each step, what must the "
+        "model see, whose list may you grow, and when exactly do you stop?")

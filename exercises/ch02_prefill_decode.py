@@ -24,8 +24,9 @@ def decode_step_flops(matmul_params: int, layers: int, heads: int, head_dim: int
         multiply-adds and the weighted sum of V another D, so 4 * D FLOPs.
     """
     raise NotImplementedError(
-        "2 * matmul_params * batch for the matmuls, plus 4 * layers * heads * head_dim * "
-        "context_tokens * batch for attention")
+        "how many FLOPs does one parameter cost one new token (a multiply and an add)? In "
+        "attention, what does a new token pay per head, layer and context token, for q.k and for "
+        "the weighted sum of V?")
 
 
 def decode_step_bytes(weight_params: int, layers: int, kv_heads: int, head_dim: int, batch: int,
@@ -37,18 +38,17 @@ def decode_step_bytes(weight_params: int, layers: int, kv_heads: int, head_dim: 
       - the new token's K and V, written: the same with T = 1.
     """
     raise NotImplementedError(
-        "weights once (not once per sequence!) + the KV read for context_tokens tokens + the KV "
-        "write for 1 token, each KV term being "
-        "2 * layers * batch * tokens * kv_heads * head_dim * kv_bytes")
+        "which bytes does the step read once for the whole batch, which once per sequence and "
+        "context token, and what does the new token write?")
 
 
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
     """FLOPs done per byte moved."""
-    raise NotImplementedError("one division")
+    raise NotImplementedError("intensity is FLOPs per byte: which number goes on top?")
 
 
 def classify(intensity: float, peak_flops: float, bandwidth_bytes_per_s: float) -> str:
     """"compute-bound" at or right of the ridge point (peak / bandwidth), else "bandwidth-bound"."""
     raise NotImplementedError(
-        "the ridge point is peak_flops / bandwidth_bytes_per_s FLOP per byte; "
-        "compare the intensity with it")
+        "at how many FLOPs per byte does the chip take as long to compute as to move the bytes? "
+        "Which side of that point, the point itself included, is compute-bound?")

@@ -18,7 +18,9 @@ def kv_cache_bytes(layers: int, batch: int, tokens: int, kv_heads: int, head_dim
                    dtype_bytes: float) -> float:
     """M_KV = 2 * L * B * T * Hkv * D * b:
     the bytes of K and V for every layer, sequence and token."""
-    raise NotImplementedError("multiply the factors together; the 2 is for K and V")
+    raise NotImplementedError(
+        "which factor of the formula counts what (layers, sequences, tokens, heads, dims), and "
+        "what is the 2 for? Can dtype_bytes be a fraction?")
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -33,9 +35,9 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k_new: torch.Tensor, 
     must keep its value. Return nothing: the caller's tensors are the cache.
     """
     raise NotImplementedError(
-        "index with two tensors: rows = torch.arange(B)[:, None] (shape [B, 1]) and positions "
-        "([B, T]) broadcast to pick B x T slots; assign k_new to cache_k[rows, positions] "
-        "(no torch.cat)")
+        "how can one indexing expression address slot positions[b, t] of sequence b for every b "
+        "and t at once? And what must change for the caller to see the write: their tensors, or "
+        "new ones?")
 
 
 def max_sequences(gpu_gb: float, weights_gb: float, kv_bytes_per_token: float,
@@ -48,5 +50,5 @@ def max_sequences(gpu_gb: float, weights_gb: float, kv_bytes_per_token: float,
     weights leave no room.
     """
     raise NotImplementedError(
-        "bytes left = (gpu_gb - weights_gb) * 10**9; divide by the bytes of one sequence and round "
-        "down; never below 0")
+        "how many bytes do the weights leave on the card, how many does one sequence need, and "
+        "which way must a count of whole sequences round? What if the weights alone do not fit?")

@@ -45,7 +45,7 @@ class BlockAllocator:
     @property
     def num_used(self) -> int:
         """How many blocks are held (refcount >= 1)."""
-        raise NotImplementedError("every block is either free or used")
+        raise NotImplementedError("every block is either free or used: so how many are used?")
 
     def refcount(self, block: int) -> int:
         """How many tables hold `block` (0 when free).
@@ -60,7 +60,8 @@ class BlockAllocator:
     def allocate_many(self, n: int) -> list[int]:
         """Take n blocks, or none at all: with fewer than n free, raise NoFreeBlocksError BEFORE
         taking any (a scheduler that catches it finds the pool as it was)."""
-        raise NotImplementedError("decide whether all n fit before you take the first one")
+        raise NotImplementedError(
+            "when must you know that all n fit: before taking the first one, or after?")
 
     def incref(self, block: int) -> None:
         """One more table holds `block` (sharing after a fork).
@@ -71,8 +72,8 @@ class BlockAllocator:
         """One table lets go of `block`; return True when its count reaches 0 and it goes back on
         the free list. ValueError for a block that is already free (a double free) or unknown."""
         raise NotImplementedError(
-            "a shared block has other holders: when may it go back on the free list, "
-            "and at which end?")
+            "a shared block has other holders: when may it go back on the free list, and at which "
+            "end? What should a second free of the same block do?")
 
 
 def slot_mapping(block_table: Sequence[int], block_size: int,

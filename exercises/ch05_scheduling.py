@@ -40,8 +40,8 @@ def schedule_step(running: Sequence[tuple[str, int, int]], waiting: Sequence[tup
     Returns (ids of running requests that run, ids of waiting requests admitted), in order.
     """
     raise NotImplementedError(
-        "keep budget_left and blocks_left; loop over running (run or skip), then over waiting "
-        "(admit, or break at the first that does not fit)")
+        "what does each request use up when it runs, and what is left for the next one? Where "
+        "does admission stop, and what may the requests behind that point not do?")
 
 
 def choose_victim(candidates: Sequence[tuple[str, int, float]]) -> str:
@@ -53,7 +53,9 @@ def choose_victim(candidates: Sequence[tuple[str, int, float]]) -> str:
     ValueError for no candidates.
     """
     raise NotImplementedError(
-        "max over the candidates of (priority, arrival_time, position in the list)")
+        "which candidate has the least claim to its seat: what do you compare first (which way is "
+        "a lower priority?), what breaks a tie, and what breaks a tie of that? And if there is "
+        "nobody?")
 
 
 def ttft_and_tpot(trace) -> dict[str, tuple[float, float]]:
@@ -70,8 +72,8 @@ def ttft_and_tpot(trace) -> dict[str, tuple[float, float]]:
     Only requests that got a first token are in the result.
     """
     raise NotImplementedError(
-        "Trace -> [s.to_dict() for s in trace.steps]; then one pass over the steps, remembering "
-        "each request's arrival, first-token time, token count and finish time")
+        "which event says when a request arrived, which step gave its first token, and which step "
+        "finished it? What must you remember per request while you walk the steps once?")
 
 
 def static_idle_fraction(output_lengths: Sequence[int], max_num_seqs: int) -> float:
@@ -83,5 +85,6 @@ def static_idle_fraction(output_lengths: Sequence[int], max_num_seqs: int) -> fl
     Returns 1 - (tokens produced) / (seat-steps held), over all batches.
     ValueError for no lengths, a length < 1 or max_num_seqs < 1.
     """
-    raise NotImplementedError("split into chunks of max_num_seqs, add up seats x longest, "
-                              "and the lengths")
+    raise NotImplementedError(
+        "in one batch, how many seat-steps are held until its longest request is done, and how "
+        "many of them produce a token? Which inputs make no sense?")

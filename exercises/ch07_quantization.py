@@ -29,8 +29,8 @@ def int4_scale_and_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tenso
     stays exactly zero; an all-zero group still needs a positive scale (use 1e-12 at least).
     """
     raise NotImplementedError(
-        "clamp lo to <= 0 and hi to >= 0; scale = (hi - lo) / 15 (at least 1e-12); "
-        "zero = round(-lo / scale), clamped to 0..15")
+        "which grid of 16 codes runs from lo to hi, and why stretch [lo, hi] to include 0 first? "
+        "What scale would an all-zero group get?")
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
@@ -41,8 +41,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
     group_size when G does not divide K (or is odd: a byte must not straddle two groups).
     """
     raise NotImplementedError(
-        "reshape to [N, K // G, G], take amin/amax over the last axis, int4_scale_and_zero, then "
-        "q = round(w / s + z).clamp(0, 15); pack: q[:, 0::2] | (q[:, 1::2] << 4) as uint8")
+        "how do you see [N, K] as groups of G inputs in each row, and where do a group's lo and "
+        "hi come from? Two 4-bit codes share one byte: which goes in the low nibble? Which group "
+        "sizes cannot work?")
 
 
 def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight,
@@ -54,9 +55,9 @@ def quant_matmul_ref(x: torch.Tensor, qw: QuantizedWeight,
     [N, K // G], or [1, 1] for a per-tensor weight.
     """
     raise NotImplementedError(
-        "unpack: low = b & 0xF (input 2j), high = b >> 4 (input 2j + 1); expand scales "
-        "and zeros to [N, K] with repeat_interleave(K // groups, dim=1); w = (q - z) * s; "
-        "y = x.float() @ w.T")
+        "how do two codes come back out of one byte, and in which order? Each scale serves G "
+        "inputs of a row: how do you line the scales up with the [N, K] codes? In which dtype do "
+        "you compute, and return?")
 
 
 def pick_granularity(weight: torch.Tensor, bits: int, max_error: float,
@@ -67,15 +68,16 @@ def pick_granularity(weight: torch.Tensor, bits: int, max_error: float,
     quantize(w, bits).
     """
     raise NotImplementedError(
-        "for each candidate in order: quantize, measure (dequantize(qw) - w).norm() / w.norm(), "
-        "return the first one within the budget")
+        "in which order do you try the candidates, how do you measure one's relative error, and "
+        "which group sizes cannot split this K? What if none is good enough?")
 
 
 def quantized_bytes(n: int, k: int, bits: int, group_size: int) -> int:
     """Bytes of an [N, K] weight stored as ``bits``-bit codes with groups of ``group_size``: the
     codes, plus one fp32 scale per group, plus (int4 only) one fp32 zero point per group."""
-    raise NotImplementedError("n * k * bits // 8 for the codes, "
-                              "+ n * (k // group_size) * (4 or 4 + 4)")
+    raise NotImplementedError(
+        "how many bytes do N x K codes of `bits` bits take, how many groups are there, and what "
+        "does each group store besides its codes?")
 
 
 def gemv_bytes_per_output(K: int, bits: int, group_size: int) -> dict[str, int]:
@@ -86,5 +88,6 @@ def gemv_bytes_per_output(K: int, bits: int, group_size: int) -> dict[str, int]:
     naive: the same, + writing the dequantized fp32 row + reading it back for the matmul.
     """
     raise NotImplementedError(
-        "codes K * bits // 8; metadata (K // group_size) * (8 for int4, 4 for int8); "
-        "naive adds 2 * K * 4")
+        "one output reads one row of K weights: how many bytes is that in fp32, in bf16, and as "
+        "codes plus their metadata? What does writing the dequantized row out and reading it back "
+        "add?")

@@ -51,8 +51,8 @@ def column_shard(weight: torch.Tensor, bias: torch.Tensor | None, rank: int,
     row longer).
     """
     raise NotImplementedError(
-        "which dimension of nn.Linear's [out, in] weight holds the outputs? base, "
-        "extra = divmod(out, world); rank r starts at r * base + min(r, extra)")
+        "which dimension of nn.Linear's [out, in] weight holds the outputs? When world does not "
+        "divide it, where does rank r's share start and stop?")
 
 
 def row_shard(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -61,8 +61,8 @@ def row_shard(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
     (No bias here: the bias is added once, after the all-reduce, by tensor_parallel_linear.)
     """
-    raise NotImplementedError("the same split as column_shard, along the other dimension: "
-                              "weight[:, start:stop]")
+    raise NotImplementedError(
+        "which dimension holds the inputs? Can column_shard's arithmetic do the split?")
 
 
 def tensor_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -77,8 +77,9 @@ def tensor_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     rounding.
     """
     raise NotImplementedError(
-        "column: torch.cat of F.linear(x, w_r, b_r) over the ranks, on the last dim; row: the sum "
-        "over the ranks of F.linear(x[..., cols of rank r], w_r), then + bias")
+        "in a column split, what does each rank compute and how do the pieces combine? In a row "
+        "split, which slice of x does a rank see, how do the partial sums combine, and how often "
+        "is the bias added?")
 
 
 def allreduce_bytes_per_token(model: ModelConfig, tp: int, dtype) -> float:
@@ -91,7 +92,9 @@ def allreduce_bytes_per_token(model: ModelConfig, tp: int, dtype) -> float:
     then an all-gather, (tp - 1) / tp each.
     Layers: model.num_hidden_layers.
     """
-    raise NotImplementedError("layers x all-reduces per layer x ring bytes of an [E] message")
+    raise NotImplementedError(
+        "how many all-reduces does one layer do, how big is each message, and how many bytes does "
+        "a ring all-reduce of an n-byte message send from each GPU?")
 
 
 def pipeline_bubble(num_stages: int, num_micro_batches: int) -> float:
@@ -104,8 +107,9 @@ def pipeline_bubble(num_stages: int, num_micro_batches: int) -> float:
     Count the idle stage-slots over all stage-slots from the first start to the last end. A
     ValueError naming the field unless both are ints >= 1.
     """
-    raise NotImplementedError("how many slots does the whole schedule take, and how many of the "
-                              "P x slots are busy?")
+    raise NotImplementedError(
+        "how many slots does the whole schedule take, and how many of the P x slots are busy? "
+        "Which inputs make no sense?")
 
 
 def pick_layout(model: ModelConfig, device_memory_bytes: int, num_devices: int, context_tokens: int,
@@ -131,6 +135,6 @@ def pick_layout(model: ModelConfig, device_memory_bytes: int, num_devices: int, 
     (weights and KV both in `dtype`). replicas = num_devices // tp (the rest stay idle). A
     ValueError naming num_devices when no tp fits. (The models here have no sliding window.)
     """
-    raise NotImplementedError("loop over tp; skip the ones that split a head; build the shard's "
-                              "config; weights + reserve + one sequence's KV <= memory? Return "
-                              "the first that fits")
+    raise NotImplementedError(
+        "which tp values split the heads and the MLP into whole pieces? For one that does, what "
+        "does one GPU hold, and does that fit with the reserve and one sequence's KV?")

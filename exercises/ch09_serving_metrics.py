@@ -30,8 +30,9 @@ def inter_token_latencies(token_times: Sequence[float]) -> list[float]:
     inter_token_latencies([1.0, 1.5, 1.6, 2.6]) == [0.5, 0.1, 1.0] (up to float rounding);
     [] for one token.
     """
-    raise NotImplementedError("pair each token time with the next one (zip(times, times[1:])) "
-                              "and subtract")
+    raise NotImplementedError(
+        "n token times have how many gaps between neighbours, and which time do you subtract from "
+        "which?")
 
 
 def time_per_output_token(token_times: Sequence[float]) -> float:
@@ -39,16 +40,18 @@ def time_per_output_token(token_times: Sequence[float]) -> float:
 
     math.nan when there are fewer than 2 tokens (one token has no gap, so no pace).
     """
-    raise NotImplementedError("n - 1 gaps follow the first token: divide the decode time by n - 1, "
-                              "and return math.nan below 2 tokens")
+    raise NotImplementedError(
+        "how many gaps follow the first token, and how long do they last together? What is the "
+        "pace of a single token?")
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0 < q <= 100) by nearest rank: sort, take the ceil(q / 100 * n)-th
     smallest (1-based). nearest_rank([4, 1, 3, 2], 50) == 2; P99 of 20 values is their maximum.
     math.nan for no values; a ValueError naming q when q is outside (0, 100]."""
-    raise NotImplementedError("sorted(values)[ceil(q / 100 * n) - 1] (at least index 0); "
-                              "no interpolation")
+    raise NotImplementedError(
+        "after sorting, which rank holds the q-th percentile by nearest rank, and how does a "
+        "1-based rank become a Python index? Which q make no sense, and what of no values?")
 
 
 def goodput(requests: Sequence[Mapping], ttft_slo_ms: float, tpot_slo_ms: float,
@@ -61,6 +64,6 @@ def goodput(requests: Sequence[Mapping], ttft_slo_ms: float, tpot_slo_ms: float,
     tpot_slo_ms; a one-token answer has tpot_ms None and is judged by its TTFT alone. A limit met
     exactly is met. ValueError naming duration_s unless it is > 0.
     """
-    raise NotImplementedError("count the requests with finish_reason != 'abort', ttft_ms <= the "
-                              "TTFT limit and (tpot_ms is None or tpot_ms <= the TPOT limit); "
-                              "divide by duration_s")
+    raise NotImplementedError(
+        "which requests count: an aborted one? a one-token answer with no TPOT? one that meets a "
+        "limit exactly? And goodput is a count per what?")

@@ -43,26 +43,31 @@ class TokenBucket:
         """A ValueError naming the field unless rate_per_s and burst are finite and > 0. Keep both,
         the level (it starts FULL: a new tenant may send a whole burst at once) and the last `now`
         seen (none yet)."""
-        raise NotImplementedError("check both numbers, then self.level = burst and "
-                                  "self.updated = None")
+        raise NotImplementedError(
+            "which numbers make no sense for a rate or a burst? How full is a new tenant's "
+            "bucket, and which clock reading has it seen?")
 
     def refill(self, now: float) -> None:
         """Add (now - the last reading) x rate_per_s, but never past `burst`; remember `now`. A
         reading earlier than the last one (clocks of two threads) adds nothing, and the later
         reading is kept."""
-        raise NotImplementedError("min(burst, level + elapsed * rate); "
-                                  "only when now > the last reading")
+        raise NotImplementedError(
+            "how many tokens did the time since the last reading bring, and what caps them? What "
+            "should a reading from the past do, and the very first reading?")
 
     def wait_s(self, amount: float, now: float) -> float:
         """Seconds until `amount` tokens are there (refill first): 0.0 if they are there now,
         math.inf if amount > burst (the bucket can never hold that much). This is the 429's
         Retry-After, in seconds."""
-        raise NotImplementedError("the missing tokens are amount - level; how long does the refill "
-                                  "take to bring them? (never below 0)")
+        raise NotImplementedError(
+            "how many tokens are missing after a refill, and how long does the rate take to bring "
+            "them? What if the bucket can never hold that many?")
 
     def take(self, amount: float, now: float) -> None:
         """Pay `amount` tokens (refill first). It does not check: call wait_s first."""
-        raise NotImplementedError("refill, then take the amount out of the level")
+        raise NotImplementedError(
+            "what must happen to the level before you pay, so that the time since the last call "
+            "counts?")
 
 
 def retry_after_header(retry_after_s: float | None) -> str | None:
@@ -104,8 +109,9 @@ def max_num_queued_tokens_for(ttft_target_s: float, prefill_tokens_per_s: float)
     ValueError naming the field unless both are finite and > 0.
     max_num_queued_tokens_for(0.5, 4000) == 2000.
     """
-    raise NotImplementedError("target TTFT x prefill throughput, in seconds and tokens per second, "
-                              "rounded down to an int, at least 1")
+    raise NotImplementedError(
+        "how many tokens does prefill get through in ttft_target_s seconds, which way must you "
+        "round, and what is the smallest cap the engine accepts? Which inputs make no sense?")
 
 
 def arrival_halves(splits: list[RequestSplit]) -> tuple[list[RequestSplit], list[RequestSplit]]:
@@ -122,5 +128,6 @@ def arrival_halves(splits: list[RequestSplit]) -> tuple[list[RequestSplit], list
 
     ([], []) for no requests.
     """
-    raise NotImplementedError("find the middle of the window from the first and last arrival "
-                              "times, then put each request on its side of it")
+    raise NotImplementedError(
+        "where is the middle of the window in time (not in count), and on which side does a "
+        "request exactly at it go? And for no requests?")

@@ -10,12 +10,15 @@ import pytest
 
 from engine.serving.admission import (
     MAX_TRACKED_BUCKETS,
+    SHED_REASON,
     Admission,
     AdmissionLimits,
     Deadlines,
+    Degradation,
     Load,
     RateLimit,
     Rejected,
+    Served,
     TokenBucket,
     api_keys_from_args,
     prefill_tokens_left,
@@ -202,3 +205,54 @@ def test_api_keys_map_each_key_to_its_tenant():
     assert api_keys_from_args(None) is None
     with pytest.raises(ValueError, match="TENANT=KEY"):
         api_keys_from_args(["sk-no-tenant"])
+
+
+# ---- degradation ------------------------------------------------------------------------------------------------
+
+
+def test_the_token_cap_shortens_every_long_request_and_leaves_short_ones_alone():
+    d = Degradation(max_tokens_cap=64)
+    assert d.apply(200, priority=0, num_waiting=0) == Served(64, capped=True)
+    assert d.apply(64, priority=0, num_waiting=100) == Served(64)  # at the cap is not over it
+    assert d.apply(10, priority=5, num_waiting=100) == Served(10)  # a cap alone never degrades
+
+
+def test_a_long_queue_degrades_max_tokens_and_a_short_one_does_not():
+    d = Degradation(queue_at=4, degraded_max_tokens=8)
+    assert d.apply(32, priority=0, num_waiting=3) == Served(32)
+    assert d.apply(32, priority=0, num_waiting=4) == Served(8, degraded=True)  # AT queue_at: degraded
+    assert d.apply(6, priority=0, num_waiting=9) == Served(6)  # already short: nothing taken away
+
+
+def test_degrading_a_capped_request_keeps_both_reasons():
+    d = Degradation(max_tokens_cap=64, queue_at=1, degraded_max_tokens=16)
+    assert d.apply(500, priority=0, num_waiting=1) == Served(16, capped=True, degraded=True)
+    assert d.apply(40, priority=0, num_waiting=1) == Served(16, degraded=True)
+
+
+def test_while_degraded_low_priority_requests_are_shed_with_503_and_urgent_ones_are_served():
+    d = Degradation(queue_at=2, shed_priority_from=1)
+    with pytest.raises(Rejected) as e:
+        d.apply(32, priority=1, num_waiting=2)
+    assert (e.value.status, e.value.reason) == (503, SHED_REASON)
+    assert e.value.retry_after_s is not None and e.value.retry_after_s > 0
+    assert "shed_priority_from=1" in e.value.message
+    assert d.apply(32, priority=0, num_waiting=50) == Served(32)  # urgent: served in full
+    assert d.apply(32, priority=3, num_waiting=1) == Served(32)  # a short queue sheds nobody
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens_cap": 0}, "max_tokens_cap"),
+    ({"queue_at": 2, "degraded_max_tokens": 1.5}, "degraded_max_tokens"),
+    ({"queue_at": True, "degraded_max_tokens": 4}, "queue_at"),
+    ({"degraded_max_tokens": 4}, "queue_at"),
+    ({"queue_at": 3}, "queue_at"),
+    ({"queue_at": 3, "shed_priority_from": "low"}, "shed_priority_from"),
+])
+def test_a_degradation_that_cannot_work_is_refused_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Degradation(**kwargs)
+
+
+def test_no_degradation_serves_every_request_as_asked():
+    assert Degradation().apply(4000, priority=9, num_waiting=10_000) == Served(4000)

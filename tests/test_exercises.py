@@ -4,6 +4,7 @@ Every chapter found by `exercises.list_chapters()` is covered automatically: its
 must pass every check and its untouched stubs must fail every check.
 """
 
+import ast
 import inspect
 import types
 
@@ -16,7 +17,11 @@ from engine.companions import memory, placement
 from engine.kv import block_manager
 from engine.serving import admission, diagnose
 from exercises.__main__ import main
+from exercises.hints import FULL_HINTS
 from exercises.solutions import ch01_sampling as ch01_solutions
+from exercises.solutions import ch03_kv_cache as ch03_solutions
+from exercises.solutions import ch09_serving_metrics as ch09_solutions
+from exercises.solutions import ch10_overload as ch10_solutions
 
 CHAPTERS = exercises.list_chapters()
 
@@ -174,3 +179,146 @@ def test_an_unknown_chapter_is_refused_with_the_choices(capsys):
     assert "ch01" in capsys.readouterr().err
     with pytest.raises(ValueError, match="chapter='ch99'"):
         exercises.run_checks("ch99")
+
+
+# ---- the two hints: a question first, the recipe behind --hint ----------------------------------
+
+
+def _stub_raises(chapter):
+    """{qualified name: the NotImplementedError message} of every stub in a chapter's file."""
+    path = exercises.exercise_path(chapter)
+    tree, module = ast.parse(path.read_text()), exercises.load_module(chapter)
+    found = {}
+
+    def visit(node, prefix=""):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.FunctionDef):
+                for stmt in child.body:
+                    if isinstance(stmt, ast.Raise) and getattr(stmt.exc.func, "id", "") == "NotImplementedError":
+                        found[prefix + child.name] = eval(compile(ast.Expression(stmt.exc.args[0]), path, "eval"),
+                                                          vars(module))
+    visit(tree)
+    return found
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_stub_has_a_full_hint_and_no_full_hint_is_stale(chapter):
+    assert set(_stub_raises(chapter)) == set(FULL_HINTS[chapter])
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_first_hint_is_a_question_and_the_full_hint_says_more(chapter):
+    bug_zoo = getattr(exercises.load_module(chapter), "BUG_ZOO", None)
+    for function, first in _stub_raises(chapter).items():
+        assert first == bug_zoo or "?" in first, f"{chapter} {function}: {first!r} asks nothing"
+        assert FULL_HINTS[chapter][function] not in first, function
+
+
+def test_the_first_hints_the_issue_named_no_longer_give_the_answer():
+    assert not any(code in _stub_raises("ch06")["block_hash"] for code in ("json.dumps(", "sha256(", "separators"))
+    assert not any(code in _stub_raises("ch09")["nearest_rank"] for code in ("ceil(", "- 1]", "sorted(values)["))
+
+
+def test_the_table_names_the_unwritten_stub_and_asks_its_question(capsys):
+    assert main(["check", "ch09"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # the reasons are wrapped: compare words
+    question = " ".join(_stub_raises("ch09")["nearest_rank"].split())
+    assert f"not implemented yet (nearest_rank): {question}" in out
+    assert " ".join(FULL_HINTS["ch09"]["nearest_rank"].split()[:6]) not in out and "--hint" in out
+
+
+def test_an_unwritten_method_offers_its_own_full_hint_not_its_classs():
+    result = exercises.run_checks("ch04")[0]  # the allocator's checks stop at the stub's __init__
+    assert "(BlockAllocator.__init__)" in result.reason
+    assert result.hints == (("BlockAllocator.__init__", FULL_HINTS["ch04"]["BlockAllocator.__init__"]),)
+
+
+def test_cli_hint_adds_the_full_hint_of_each_unwritten_function(capsys):
+    assert main(["check", "ch06", "--hint"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # the hints are wrapped: compare words
+    assert all(" ".join(hint.split()) in out for hint in FULL_HINTS["ch06"].values())
+
+
+def test_a_failed_check_carries_the_full_hint_of_the_function_it_used_and_a_passed_one_none():
+    def off_by_one(values, q):
+        return ch09_solutions.nearest_rank(values, min(100, q + 25))
+
+    wrong = types.SimpleNamespace(**{**vars(ch09_solutions), "nearest_rank": off_by_one})
+    results = exercises.run_checks("ch09", module=wrong)
+    failed = [r for r in results if not r.passed]
+    assert failed and all(r.name.startswith("nearest_rank") for r in failed)
+    assert all(r.hints == (("nearest_rank", FULL_HINTS["ch09"]["nearest_rank"]),) for r in failed)
+    assert all(r.hints == () for r in results if r.passed)
+    assert exercises.format_hints(results).splitlines()[0] == "nearest_rank"
+
+
+def test_a_failed_check_on_a_class_offers_the_hints_of_its_methods():
+    class StartsEmpty(ch10_solutions.TokenBucket):
+        def __init__(self, rate_per_s, burst):
+            super().__init__(rate_per_s, burst)
+            self.level = 0.0
+
+    wrong = types.SimpleNamespace(**{**vars(ch10_solutions), "TokenBucket": StartsEmpty})
+    result = next(r for r in exercises.run_checks("ch10", module=wrong) if not r.passed)
+    assert {name for name, _ in result.hints} == {k for k in FULL_HINTS["ch10"] if k.startswith("TokenBucket.")}
+
+
+# ---- the table: reasons wrapped at word boundaries -----------------------------------------------
+
+
+def test_format_results_wraps_a_long_reason_at_word_boundaries_and_keeps_every_word():
+    path = "exercises/solutions/ch01_sampling.py:42:top_p_filter"  # longer than a line: it stays whole
+    reason = " ".join(["the running total reaches p at the boundary token"] * 6 + [path, "then more words"])
+    text = exercises.format_results([exercises.CheckResult("top_p_keeps_the_boundary_token", False, reason)],
+                                    width=48)
+    first, *reason_lines = text.splitlines()
+    assert first == "FAIL  top_p_keeps_the_boundary_token" and len(reason_lines) > 1
+    assert all(line.startswith(" " * exercises.REASON_INDENT) for line in reason_lines)
+    assert all(len(line) <= 48 or line.strip() == path for line in reason_lines)
+    assert " ".join(line.strip() for line in reason_lines) == reason  # no word cut, none lost
+
+
+def test_format_results_keeps_a_reasons_own_lines_and_shows_a_repeat_once():
+    reason = "AssertionError: wrong\n  at exercises/ch01_sampling.py:9 in top_k_filter: return x"
+    results = [exercises.CheckResult("a", False, reason), exercises.CheckResult("b", False, reason),
+               exercises.CheckResult("c", True)]
+    lines = exercises.format_results(results).splitlines()
+    assert lines == ["FAIL  a", "      AssertionError: wrong",  # the "at" line keeps its own 2-space indent
+                     "        at exercises/ch01_sampling.py:9 in top_k_filter: return x",
+                     "FAIL  b", '      " (same as above)', "PASS  c"]
+
+
+# ---- ch03: the in-place check blames only what is wrong -------------------------------------------
+
+def _ch03_with_write_kv(body):
+    namespace = {"torch": torch}
+    exec(f"def write_kv(cache_k, cache_v, k_new, v_new, positions):\n"
+         f"    rows = torch.arange(cache_k.shape[0])[:, None]\n{body}", namespace)
+    wrong = types.SimpleNamespace(**{**vars(ch03_solutions), "write_kv": namespace["write_kv"]})
+    return {r.name: r for r in exercises.run_checks("ch03", module=wrong) if r.name.startswith("write_kv")}
+
+
+def test_a_write_kv_at_the_wrong_slots_is_told_the_slots_not_that_it_is_not_in_place():
+    results = _ch03_with_write_kv("    cache_k[rows, positions + 1] = k_new\n"
+                                  "    cache_v[rows, positions + 1] = v_new\n")
+    assert results["write_kv_writes_in_place"].passed
+    reason = results["write_kv_writes_each_token_at_its_slot"].reason
+    assert "lacks its new token at (sequence, slot) [(0, 0), (0, 1), (0, 2)" in reason
+    assert "overwritten where it should keep its old value at (sequence, slot) [(0, 3), (1, 3)]" in reason
+    assert "in place" not in reason
+
+
+def test_a_write_kv_into_a_copy_is_told_it_is_not_in_place():
+    results = _ch03_with_write_kv("    cache_k = cache_k.index_put((rows.expand_as(positions), positions), k_new)\n"
+                                  "    cache_v = cache_v.index_put((rows.expand_as(positions), positions), v_new)\n")
+    assert not results["write_kv_writes_in_place"].passed
+    assert "left cache_k exactly as it was" in results["write_kv_writes_in_place"].reason
+    assert "in place" in results["write_kv_writes_each_token_at_its_slot"].reason
+
+
+def test_a_write_kv_that_swaps_k_and_v_passes_the_in_place_check_and_fails_the_slot_check():
+    results = _ch03_with_write_kv("    cache_k[rows, positions] = v_new\n    cache_v[rows, positions] = k_new\n")
+    assert results["write_kv_writes_in_place"].passed
+    assert not results["write_kv_writes_each_token_at_its_slot"].passed

@@ -146,6 +146,24 @@ def test_halving_the_weight_bytes_nearly_doubles_the_decode_bound():
     assert int8 == pytest.approx(2 * fp16, rel=1e-4)
 
 
+def _last_level_cache_bytes() -> int:
+    """This CPU's L3 from sysfs ("32768K"), else 32 MiB, a common laptop and desktop size."""
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+    except OSError:
+        return 32 * 2**20
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
+    return int(text.rstrip("KM")) * scale
+
+
+def test_fast_calibration_still_copies_past_the_last_level_cache(monkeypatch):
+    # A copy that fits in L3 measures the cache, not DRAM, and moves the ridge: FAST may shorten the
+    # time, never the buffer below twice the cache.
+    monkeypatch.setenv("SERVELAB_FAST", "1")
+    copied_mib = int(calibrate().description.split("copy ")[1].split(" MiB")[0])
+    assert copied_mib * 2**20 >= 2 * _last_level_cache_bytes()
+
+
 def test_calibrate_returns_positive_numbers_under_fast_mode(monkeypatch):
     monkeypatch.setenv("SERVELAB_FAST", "1")
     machine = calibrate()

@@ -6,7 +6,9 @@ in fp16; 2 * 32 layers * 8 KV heads * 128 dims * 2 bytes = 131,072 KV bytes per 
 
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 from engine.companions.roofline import MachineRoofline
 from engine.viz.memory import (
@@ -106,15 +108,19 @@ def test_out_of_range_calculator_inputs_name_the_field(call, field):
         call()
 
 
-def test_widget_redraws_and_reports_bad_inputs(capsys):
+def test_widget_redraws_and_reports_bad_inputs():
     widgets = pytest.importorskip("ipywidgets", reason="the widget needs ipywidgets")
     from engine.viz.memory import kv_calculator_widget
 
     box = kv_calculator_widget()
     controls = {c.description: c for row in box.children[:2] for c in row.children}
-    assert isinstance(box.children[2], widgets.Output)
+    image, message = box.children[2].children  # an Image, not an Output widget (engine/viz/widgets.py)
+    assert isinstance(image, widgets.Image) and bytes(image.value).startswith(b"\x89PNG")
+    before = bytes(image.value)
+    controls["batch"].value = 2
+    assert image.value != before
     controls["kv_heads"].value = 3  # 32 query heads cannot be split into 3 groups
-    assert "kv_heads must divide heads=32" in capsys.readouterr().out
+    assert "kv_heads must divide heads=32" in message.value
     controls["preset"].value = "Llama-2-7B"  # a preset resets the sliders to its published shape
     assert (controls["layers"].value, controls["kv_heads"].value, controls["head_dim"].value) == (32, 32, 128)
 
@@ -157,6 +163,62 @@ def test_roofline_places_each_point_where_it_was_measured():
     assert np.allclose(by_gid(fig, "point:prefill P=256").get_offsets(), [[60.0, 5e10]])
 
 
+# Crowded on purpose, as chapter 02's CPU points are: two pairs of decode points almost on top of each other,
+# prefill points close together, one point near the ridge (5 FLOP/B) just under the peak.
+CROWDED = [("prefill P=16 B=1", 7.0, 3.3e10), ("decode T=17 B=1", 0.50, 3.4e9), ("prefill P=128 B=1", 31.0, 3.3e10),
+           ("decode T=129 B=1", 0.53, 3.7e9), ("prefill P=16 B=4", 20.0, 6.8e10), ("decode T=17 B=4", 1.9, 1.16e10),
+           ("prefill P=128 B=4", 47.0, 4.8e10), ("decode T=129 B=4", 1.93, 1.12e10), ("prefill near ridge", 5.5, 9e10)]
+
+
+def _drawn_boxes(fig: Figure, prefix: str) -> dict:
+    """Display-space boxes of the axes' texts whose gid starts with `prefix`, after a real draw
+    (the text alone: an annotation's own extent would include its leader line)."""
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    return {t.get_gid(): Text.get_window_extent(t, renderer) for t in fig.axes[0].texts
+            if (t.get_gid() or "").startswith(prefix)}
+
+
+def test_roofline_labels_overlap_neither_each_other_nor_the_ridge_texts():
+    fig = render_roofline(MACHINE, CROWDED)
+    labels = _drawn_boxes(fig, "label:")
+    fixed = _drawn_boxes(fig, "r")  # "ridge-label", "regime:bandwidth", "regime:compute"
+    assert len(labels) == len(CROWDED) and set(fixed) == {"ridge-label", "regime:bandwidth", "regime:compute"}
+    boxes = list(labels.items()) + list(fixed.items())
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1:]:
+            assert not box_a.overlaps(box_b), f"{a} overprints {b}"
+
+
+def test_roofline_labels_stay_inside_the_axes_and_off_other_points():
+    fig = render_roofline(MACHINE, CROWDED)
+    labels = _drawn_boxes(fig, "label:")
+    frame = fig.axes[0].get_window_extent()
+    markers = {label: fig.axes[0].transData.transform((x, y)) for label, x, y in CROWDED}
+    for gid, box in labels.items():
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1, gid
+        for label, (px, py) in markers.items():
+            if f"label:{label}" != gid:
+                assert not (box.x0 < px < box.x1 and box.y0 < py < box.y1), f"{gid} covers the point of {label}"
+
+
+def test_each_roofline_label_points_at_its_own_measurement():
+    fig = render_roofline(MACHINE, CROWDED)
+    annotations = {t.get_gid(): t for t in fig.axes[0].texts if (t.get_gid() or "").startswith("label:")}
+    for label, x, y in CROWDED:
+        assert annotations[f"label:{label}"].xy == (x, y)
+        assert annotations[f"label:{label}"].get_text() == label
+
+
+def test_roofline_names_the_regimes_on_their_sides_of_the_ridge():
+    fig = render_roofline(MACHINE, CROWDED)
+    fixed = _drawn_boxes(fig, "r")
+    ridge_x = fig.axes[0].transData.transform((5.0, 1.0))[0]  # 1e11 / 2e10 = 5 FLOP per byte
+    assert fixed["regime:bandwidth"].x1 < ridge_x < fixed["regime:compute"].x0
+    assert fixed["ridge-label"].x0 < ridge_x < fixed["ridge-label"].x1
+    assert "5.0 FLOP/B" in by_gid(fig, "ridge-label").get_text()
+
+
 def test_roofline_rejects_points_a_log_plot_cannot_show():
     with pytest.raises(ValueError, match="intensity > 0"):
         render_roofline(MACHINE, [("broken", 0.0, 1e9)])
@@ -178,6 +240,19 @@ def test_request_timeline_shades_ttft_and_ticks_each_token():
     assert by_gid(fig, "ttft:long prompt").get_width() == pytest.approx(300.0)
     assert np.allclose(by_gid(fig, "tokens:long prompt").get_xdata(), [300.0, 304.0, 308.0])
     assert np.allclose(by_gid(fig, "tokens:short prompt").get_xdata(), [10.0, 15.0])
+
+
+def test_timeline_summaries_start_below_their_ttft_bars():
+    fig = render_request_timelines({"long prompt": [0.3, 0.004, 0.004], "short prompt": [0.01, 0.005]})
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    for label in ("long prompt", "short prompt"):
+        bar = by_gid(fig, f"ttft:{label}").get_window_extent(renderer)
+        text = by_gid(fig, f"summary:{label}").get_window_extent(renderer)
+        assert text.y1 < bar.y0, f"the summary of {label!r} overlaps its TTFT bar"
+    long_text = by_gid(fig, "summary:long prompt").get_window_extent(renderer)
+    short_bar = by_gid(fig, "ttft:short prompt").get_window_extent(renderer)
+    assert long_text.y0 > short_bar.y1  # and above the next row's bar
 
 
 # ---- chapter-03 curves -------------------------------------------------------------------------------

@@ -161,7 +161,20 @@ def test_the_pipeline_timeline_draws_every_span_and_hatches_exactly_the_idle_tim
         idle = sum(p.get_width() for p in fig.axes[0].patches if p.get_gid() == f"bubble:M = 2:{stage}")
         assert busy + idle == pytest.approx((end - start) * MS)
     title = fig.axes[0].get_title()
-    assert f"bubble measured {prefill['bubble']:.0%}" in title and "(P-1)/(M+P-1) = 33%" in title
+    assert f"bubble {prefill['bubble']:.0%} (formula" in title and "(P-1)/(M+P-1) = 33%" in title
+    assert f"step {(end - start) * MS:.0f} ms" in title  # the span from the first start to the last end
+
+
+def test_the_pipeline_panels_share_one_axis_so_the_shorter_step_ends_left():
+    long_step = [(0, 0, 0.0, 0.030), (1, 0, 0.030, 0.060)]  # M = 1: 60 ms, the stages take turns
+    short_step = [(0, m, 0.0075 * m, 0.0075 * (m + 1)) for m in range(4)] + \
+                 [(1, m, 0.0075 * (m + 1), 0.0075 * (m + 2)) for m in range(4)]  # M = 4: 37.5 ms
+    fig = render_pipeline_timeline({"M = 1": long_step, "M = 4": short_step})
+    assert fig.axes[0].get_xlim() == fig.axes[1].get_xlim() and fig.axes[1].get_xlim()[1] >= 60
+    assert "step 60 ms, bubble 50%" in fig.axes[0].get_title()
+    assert "step 38 ms, bubble 20%" in fig.axes[1].get_title()  # the ideal schedule: the formula's bubble
+    ends = [p.get_x() + p.get_width() for p in patches(fig, "mb:M = 4:").values()]
+    assert max(ends) == pytest.approx(37.5)
 
 
 def test_the_pipeline_timeline_refuses_empty_or_backwards_spans():

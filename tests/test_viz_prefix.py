@@ -102,7 +102,11 @@ def test_the_sweep_figure_draws_hit_rates_and_ttfts_in_milliseconds():
     assert list(_line(fig, "hit_rate").get_ydata()) == [0.0, 0.45]
     assert list(_line(fig, "ttft_off").get_ydata()) == [200.0, 200.0]
     assert list(_line(fig, "ttft_on").get_ydata()) == pytest.approx([210.0, 100.0])
-    assert "-50%" in [t.get_text() for t in fig.axes[1].texts]
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["0%\n+5%", "50%\n-50%"]
+    # the proportional line: the median cache-off TTFT times the share the cache missed
+    assert list(_line(fig, "ttft_proportional").get_ydata()) == pytest.approx([200.0, 110.0])
+    noisy_off = [dict(rows[0], ttft_p50_off_s=0.1), dict(rows[1], ttft_p50_off_s=0.3)]
+    assert list(_line(render_prefix_sweep(noisy_off), "ttft_proportional").get_ydata()) == pytest.approx([200.0, 110.0])
     with pytest.raises(ValueError, match="render_prefix_sweep: rows lack the key"):
         render_prefix_sweep([{"shared_fraction": 0.0}])
 
@@ -123,3 +127,17 @@ def test_the_side_channel_figure_marks_the_median_of_each_condition():
     fig = render_side_channel(rows)
     medians = {c.get_gid(): c.get_segments()[0][0][1] for c in fig.axes[0].collections if c.get_gid()}
     assert medians == {"median:public:True": pytest.approx(20.0), "median:public:False": pytest.approx(300.0)}
+
+
+def test_the_eviction_figure_draws_each_patterns_own_best_hit_rate_in_its_colour():
+    rows = [{"pattern": "cyclic", "num_blocks": 8, "hit_rate": 0.0}, {"pattern": "hot", "num_blocks": 8,
+                                                                      "hit_rate": 0.4}]
+    fig = render_eviction_sweep(rows, best_hit_rates={"cyclic": 0.59, "hot": 0.69})
+    for pattern, best in (("cyclic", 0.59), ("hot", 0.69)):
+        line = _line(fig, f"best:{pattern}")
+        assert set(line.get_ydata()) == {best}
+        assert line.get_color() == _line(fig, f"pattern:{pattern}").get_color()
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "best possible: 59%" in labels and "best possible: 69%" in labels
+    with pytest.raises(ValueError, match=r"best_hit_rates names pattern\(s\) \['other'\]"):
+        render_eviction_sweep(rows, best_hit_rates={"other": 0.5})

@@ -13,6 +13,7 @@ from engine.viz.quant import (
     render_bytes_breakdown,
     render_channel_max,
     render_gemv_bytes,
+    render_gptq_error,
     render_granularity_error,
     render_kv_int8,
     render_layer_speed,
@@ -113,11 +114,43 @@ def test_quality_draws_one_panel_per_metric_and_the_reference_line():
     rows = [{"scheme": s, "task": "arith", "metric": "exact", "value": v} for s, v in (("fp32", 0.9), ("int4", 0.7))]
     rows.append({"scheme": "fp32", "task": "story", "metric": "perplexity", "value": 1.7})
     fig = render_quality(rows)
-    assert _by_gid(fig, "bar:arith/exact:int4").get_height() == 0.7
+    assert _by_gid(fig, "bar:arith/exact:int4").get_width() == 0.7
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert len(visible) == 2
     dashed = [line for line in visible[0].lines if line.get_linestyle() == "--"]
-    assert [line.get_ydata()[0] for line in dashed] == [0.9]
+    assert [line.get_xdata()[0] for line in dashed] == [0.9]
+
+
+def test_quality_values_are_printed_readably_beside_their_bars():
+    rows = [{"scheme": s, "task": "vs fp32", "metric": "top-1 agreement", "value": v}
+            for s, v in (("fp32", 1.0), ("int8", 0.998), ("int4-per-tensor", 0.61))]
+    ax = render_quality(rows).axes[0]
+    labels = {t.get_text().strip(): t for t in ax.texts}
+    assert set(labels) == {"1", "0.998", "0.61"}
+    assert all(t.get_fontsize() >= 8 for t in labels.values())
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp32", "int8", "int4-per-tensor"]
+    assert labels["0.61"].get_position()[0] == 0.61  # at the end of its own bar
+
+
+def test_quality_uses_a_log_axis_only_for_a_panel_spanning_orders_of_magnitude():
+    rows = [{"scheme": s, "task": "vs fp32", "metric": "KL", "value": v} for s, v in (("int8", 1e-4), ("int4", 0.5))]
+    rows += [{"scheme": s, "task": "text", "metric": "perplexity", "value": v}
+             for s, v in (("int8", 1.4), ("int4", 2.0))]
+    fig = render_quality(rows)
+    assert [ax.get_xscale() for ax in fig.axes[:2]] == ["log", "linear"]
+
+
+def test_gptq_bars_have_their_errors_one_colour_per_method():
+    rows = [{"layer": "q", "method": m, "data": d, "error": e}
+            for m, d, e in (("RTN", "cal", 0.10), ("GPTQ", "cal", 0.06),
+                            ("RTN", "other", 0.11), ("GPTQ", "other", 0.09))]
+    fig = render_gptq_error(rows)
+    assert _by_gid(fig, "bar:cal:q:GPTQ").get_width() == 0.06
+    assert _by_gid(fig, "bar:other:q:RTN").get_width() == 0.11
+    assert _by_gid(fig, "bar:cal:q:GPTQ").get_facecolor() == _by_gid(fig, "bar:other:q:GPTQ").get_facecolor()
+    assert _by_gid(fig, "bar:cal:q:GPTQ").get_facecolor() != _by_gid(fig, "bar:cal:q:RTN").get_facecolor()
+    with pytest.raises(ValueError, match="rows"):
+        render_gptq_error([])
 
 
 def test_empty_inputs_are_named():

@@ -26,6 +26,9 @@ Arrivals are tied to engine steps, not to the wall clock, and every answer has e
 length (greedy, EOS ignored): the queues, blocks, preemptions and cache hits are the same on every
 machine; only the seconds differ.
 
+`overload_burst` is no incident but the same kind of run: requests arriving faster than the seats
+turn over, to compare what a `Degradation` policy (engine/serving/admission.py) keeps of the SLO.
+
     python -m engine.lab.incidents --out runs/incidents     # one TRACE.json per scenario
     python -m engine diagnose runs/incidents/tenant_flood.json
 
@@ -48,6 +51,7 @@ from engine.lab import tasks
 from engine.llm_engine import LLMEngine, engine_config
 from engine.model import LlamaModel
 from engine.sampling import SamplingParams
+from engine.serving.admission import Degradation, Rejected
 from engine.trace import Trace
 
 MODEL = "tinylab"
@@ -66,6 +70,19 @@ SYSTEM_PROMPT_TOKENS = 96  # the shared system prompt (6 blocks of 16) in the pr
 USER_TOKENS = 8
 # of tinylab's 6: half the forward's work, and its arithmetic gone (exact match ~0.8 -> 0)
 PRUNED_LAYERS_KEPT = 3
+# the overload burst: 4 seats at BURST_MAX_TOKENS finish a request every 8 steps; one arrives every
+# 3 steps, so the queue grows by ~5 requests per 24 steps for as long as the burst lasts
+BURST_REQUESTS = 48
+BURST_SEATS = 4
+BURST_STEPS_BETWEEN_ARRIVALS = 3
+BURST_MAX_TOKENS = 32
+BURST_LONG_MAX_TOKENS = 256  # every BURST_LONG_EVERY-th request asks for a long answer
+BURST_LONG_EVERY = 6
+# one request in BURST_INTERACTIVE_EVERY is interactive (tenant "chat", priority 0): alone they come
+# at 1 per 9 steps, less than the seats finish; the others are batch jobs (tenant "batch"): they may
+# wait
+BURST_INTERACTIVE_EVERY = 3
+LOW_PRIORITY = 1
 
 
 @dataclass
@@ -77,6 +94,7 @@ class Arrival:
     template_version: str | None = None
     # a probe with a known answer: scored after the run (quality record)
     example: tasks.Example | None = None
+    priority: int = 0  # vLLM's: lower is served first
 
 
 @dataclass
@@ -128,6 +146,25 @@ def scenarios(vocab: list[int], seed: int = 0) -> dict[str, Scenario]:
         _pruned_model(rng, vocab, seed),
     ]
     return {s.name: s for s in out}
+
+
+def overload_burst(vocab: list[int], seed: int = 0, n: int = BURST_REQUESTS) -> Scenario:
+    """n requests, one every BURST_STEPS_BETWEEN_ARRIVALS steps, on BURST_SEATS seats: more than
+    twice what the seats finish. One in BURST_INTERACTIVE_EVERY is tenant "chat" (priority 0), the
+    others tenant "batch" (LOW_PRIORITY); every BURST_LONG_EVERY-th (a batch job) asks for
+    BURST_LONG_MAX_TOKENS tokens, the rest for BURST_MAX_TOKENS."""
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(n):
+        chat = i % BURST_INTERACTIVE_EVERY == 0
+        long = i % BURST_LONG_EVERY == BURST_LONG_EVERY - 1
+        arrivals.append(Arrival(i * BURST_STEPS_BETWEEN_ARRIVALS,
+                                _prompt(rng, PROMPT_TOKENS, vocab),
+                                BURST_LONG_MAX_TOKENS if long else BURST_MAX_TOKENS,
+                                "chat" if chat else "batch", priority=0 if chat else LOW_PRIORITY))
+    return Scenario("overload_burst",
+                    f"{n} requests, one every {BURST_STEPS_BETWEEN_ARRIVALS} steps, "
+                    f"on {BURST_SEATS} seats", arrivals, {"max_num_seqs": BURST_SEATS})
 
 
 def _tenant_flood(rng: random.Random, vocab: list[int]) -> Scenario:
@@ -247,30 +284,51 @@ def usable_vocab(tokenizer) -> list[int]:
     return [i for i in range(tokenizer.vocab_size) if i not in special]
 
 
-def run_scenario(scenario: Scenario, model, tokenizer) -> Trace:
+def run_scenario(scenario: Scenario, model, tokenizer,
+                 degradation: Degradation | None = None) -> Trace:
     """Replay the scenario's arrivals step by step until every request is finished;
-    returns the trace."""
+    returns the trace. With `degradation`, each arrival goes through `Degradation.apply` first
+    (the waiting queue as it stands): what it did is counted in `trace.config["degradation"]`."""
     engine = LLMEngine(model, tokenizer,
-                       engine_config(MODEL, max_num_seqs=MAX_NUM_SEQS, **scenario.options))
+                       engine_config(MODEL, **{"max_num_seqs": MAX_NUM_SEQS, **scenario.options}))
     engine.trace.config["scenario"] = scenario.name
     pending, step = sorted(scenario.arrivals, key=lambda a: a.step), 0
     probes: list[tuple[Arrival, str]] = []  # (arrival with a known answer, its request id)
+    counts = {"shed": 0, "degraded": 0, "capped": 0}
     while pending or engine.has_unfinished_requests():
         if step == _half_step() and scenario.at_half is not None and engine.trace.steps:
             scenario.at_half(engine)
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            rid = engine.add_request(a.prompt,
-                                     SamplingParams(temperature=0, max_tokens=a.max_tokens,
-                                                    ignore_eos=True),
-                                     tenant=a.tenant, template_version=a.template_version)
-            if a.example is not None:
+            rid = _add_arrival(engine, a, degradation, counts)
+            if a.example is not None and rid is not None:
                 probes.append((a, rid))
         engine.step()  # with nobody there, an empty step: the trace's steps stay the arrival clock
         step += 1
     if probes:
         engine.trace.config["quality"] = quality_record(engine, probes, scenario.versions)
+    if degradation is not None:
+        engine.trace.config["degradation"] = {**dataclasses.asdict(degradation), **counts}
     return engine.trace
+
+
+def _add_arrival(engine: LLMEngine, a: Arrival, degradation: Degradation | None,
+                 counts: dict[str, int]) -> str | None:
+    """Add one arrival (through `degradation`, if any); its request id, or None if it was shed."""
+    max_tokens = a.max_tokens
+    if degradation is not None:
+        try:
+            served = degradation.apply(a.max_tokens, a.priority, len(engine.scheduler.waiting))
+        except Rejected:
+            counts["shed"] += 1
+            return None
+        max_tokens = served.max_tokens
+        counts["capped"] += served.capped
+        counts["degraded"] += served.degraded
+    return engine.add_request(a.prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                       ignore_eos=True),
+                              priority=a.priority, tenant=a.tenant,
+                              template_version=a.template_version)
 
 
 def quality_record(engine: LLMEngine, probes: list[tuple[Arrival, str]],

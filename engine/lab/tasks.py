@@ -553,13 +553,14 @@ def evaluate(generate_fn: Callable[[list[str], int], list[str]], tasks=TASKS,
              progress: bool = True) -> list[dict]:
     """Run the held-out suite; rows of {task, metric, value, n}.
     Story needs `nll_fn` (else skipped)."""
-    from tqdm.auto import tqdm  # imported here so generating a corpus needs nothing but Python
+    # imported here so generating a corpus needs nothing but Python
+    from engine.progress import progress_bar
 
     for task in tasks:
         _check_task(task)
     suite = {t: eval_examples(t, n) for t in tasks if t != "story" or nll_fn is not None}
     rows: list[dict] = []
-    with tqdm(total=n * len(suite), desc="tasks", disable=not progress) as bar:
+    with progress_bar(total=n * len(suite), desc="tasks", disable=not progress) as bar:
         for task, examples in suite.items():
             bar.set_postfix_str(task)
             if task == "story":

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from tqdm.auto import tqdm
 
 from engine.config import ModelConfig
 from engine.lab import tasks
 from engine.loading.loader import hf_weight_names
 from engine.model import LlamaModel, NoCacheAttention
+from engine.progress import progress_bar
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 TOKENIZER_TRAINING_DOCS = 20_000  # enough text for BPE merges to settle on a ~1k vocabulary
@@ -511,9 +511,10 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
         log["previous"] = json.loads(previous.read_text())
     probe_set = probe_examples(cfg.probe_n) if cfg.probe_every else {}
     log["probe"] = []
-    bar = tqdm(zip(range(start_step, cfg.steps),
-                   batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
-               initial=start_step, total=cfg.steps, disable=not progress, desc="training tinylab")
+    bar = progress_bar(zip(range(start_step, cfg.steps),
+                           batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
+                       initial=start_step, total=cfg.steps, disable=not progress,
+                       desc="training tinylab")
     kept = KeepOneHead(cfg.pointer_layer % model.config.num_hidden_layers, cfg.pointer_head)
     log["pointer_loss"] = []
     for step, (ids, weights, pointers) in bar:

@@ -31,6 +31,7 @@ outlier channels of x shrink, W absorbs them.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -305,6 +306,14 @@ def collect_inputs(model: nn.Module, names: Sequence[str], batches: Iterable[Ten
     return state
 
 
+def layer_inputs(model: nn.Module, names: Sequence[str],
+                 batches: Iterable[Tensor]) -> dict[str, Tensor]:
+    """Every input row x [tokens, K] the named layers saw while ``batches`` ran through ``model``,
+    stacked (what GPTQ's Hessian 2/n X^T X is built from, and what we measure output errors on)."""
+    return collect_inputs(model, names, batches,
+                          lambda acc, x: x if acc is None else torch.cat((acc, x)))
+
+
 def activation_channel_max(model: nn.Module, batches: Iterable[Tensor]) -> dict[str, Tensor]:
     """max |x_j| over every calibration token, per input channel j of
     every decoder linear: [K] each."""
@@ -324,6 +333,53 @@ def smoothing_factors(model: nn.Module, batches: Sequence[Tensor],
         s = act_max[name].clamp(min=SMOOTH_MIN).pow(alpha) / w_max.pow(1 - alpha)
         factors[name] = s.clamp(min=SMOOTH_MIN)
     return factors
+
+
+def relative_error(approx: Tensor, exact: Tensor) -> float:
+    """||approx - exact|| / ||exact|| (Frobenius), in fp32: one number for how far a quantized
+    layer's outputs (or weights) land from the float ones."""
+    if approx.shape != exact.shape:
+        raise ValueError(f"approx: shape {tuple(approx.shape)} must equal exact's "
+                         f"{tuple(exact.shape)}")
+    exact = exact.float()
+    return ((approx.float() - exact).norm() / exact.norm().clamp(min=TINY_SCALE)).item()
+
+
+def compare_logits(reference: nn.Module | Sequence[Tensor], model: nn.Module,
+                   batches: Sequence[Tensor], ignore_target: int | None = None) -> dict[str, float]:
+    """How far ``model`` (quantized) strays from ``reference`` (its float self, or that model's
+    logits [B, T, V] on each batch, computed once for many comparisons) over every position of
+    ``batches`` (token ids [B, T]), teacher-forced, one forward each:
+
+        top1_agreement   share of positions where both models' most likely next token agree
+        kl_to_reference  mean KL(p_reference || p_model) per position, in nats
+        perplexity       exp(mean NLL) of ``model`` on the text's real next tokens, except those
+                         equal to ``ignore_target`` (e.g. the BOS starting the next of several
+                         documents packed in a row: no model can predict where a document begins)
+        tokens           positions scored
+
+    A task suite needs hundreds of examples before a one-point difference means anything; these
+    measures see every token of a few short documents, so small differences between schemes show."""
+    agree = kl = nll = 0.0
+    positions = predicted = 0
+    with torch.no_grad():
+        for b, ids in enumerate(batches):
+            if ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] < 2:
+                raise ValueError(f"batches: each must be token ids int64 [B, T] with T >= 2, got "
+                                 f"{ids.dtype} {tuple(ids.shape)}")
+            logits = reference(ids) if isinstance(reference, nn.Module) else reference[b]
+            ref = torch.log_softmax(logits.float(), -1)  # [B, T, V]
+            got = torch.log_softmax(model(ids).float(), -1)  # [B, T, V]
+            agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+            kl += (ref.exp() * (ref - got)).sum().item()
+            targets = ids[:, 1:]  # [B, T - 1]: position t predicts token t + 1
+            scored = targets != (-1 if ignore_target is None else ignore_target)  # [B, T - 1]
+            nll -= got[:, :-1].gather(-1, targets[..., None])[..., 0][scored].sum().item()
+            positions, predicted = positions + ids.numel(), predicted + int(scored.sum())
+    if positions == 0:
+        raise ValueError("batches: no token ids to compare on; pass a few [B, T] batches")
+    return {"top1_agreement": agree / positions, "kl_to_reference": kl / positions,
+            "perplexity": math.exp(nll / max(predicted, 1)), "tokens": positions}
 
 
 # ---- GPTQ ----------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from engine.replicas.router import Router, make_router
 from engine.request import validate_token_ids
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer, encode_prompt
+from engine.trace import TraceRetention
 
 # A replica process imports torch and loads its model before it can serve: seconds for tinylab, a
 # minute or more for a real model on a busy machine.
@@ -71,7 +72,8 @@ SHUTDOWN_WAIT_S = 10.0
 # loading the weights. Where there is no forkserver (Windows), spawn.
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 # Each replica keeps the last steps of its engine's Trace (about a minute at 100 steps/s); a replica
-# lives as long as its pool, and an untrimmed trace would grow without end.
+# lives as long as its pool, and an untrimmed trace would grow without end (engine/trace.py's
+# TraceRetention does the trimming).
 TRACE_STEPS_KEPT = 5_000
 
 
@@ -100,7 +102,8 @@ class ReplicaWorker:
     replica process and, for `in_process=True`, in the parent."""
 
     def __init__(self, index: int, engine: LLMEngine, max_trace_steps: int = TRACE_STEPS_KEPT):
-        self.index, self.engine, self.max_trace_steps = index, engine, max_trace_steps
+        self.index, self.engine = index, engine
+        engine.trace.retain(TraceRetention(full_steps=max_trace_steps))
         self.live: list[str] = []  # requests added and not yet handed back
         self.stats = ReplicaStats(index, os.getpid())
 
@@ -138,26 +141,23 @@ class ReplicaWorker:
         """engine.step(), counting its time and its prefix-cache lookups. A step that raised after
         running someone finished those requests with reason "error" (they go back as such); one that
         raised before running anyone would fail the same way forever, so it propagates."""
-        steps = self.engine.trace.steps
-        last = steps[-1] if steps else None
+        trace = self.engine.trace
+        recorded = trace.num_recorded
         t0 = time.perf_counter()
         try:
             self.engine.step()
         except Exception:
-            if not steps or steps[-1] is last:
+            if trace.num_recorded == recorded:
                 raise
         finally:
             self.stats.busy_s += time.perf_counter() - t0
-        if not steps or steps[-1] is last:
+        if trace.num_recorded == recorded:
             return
         self.stats.steps += 1
-        for e in steps[-1].events:
+        for e in trace.steps[-1].events:
             if e.get("type") == "prefix_hit":
                 self.stats.prefix_cache_queries += e["num_query_tokens"]
                 self.stats.prefix_cache_hits += e["num_tokens"]
-        if self.max_trace_steps is not None and len(steps) > 2 * self.max_trace_steps:
-            # trimmed in bulk: one copy per max_trace_steps steps
-            del steps[:len(steps) - self.max_trace_steps]
 
 
 def _finished(engine: LLMEngine, request_id: str) -> bool:

@@ -3,6 +3,7 @@ never a copy of it.
 
     async_engine.py  one background loop stepping the engine; per-request output queues
     server.py        the OpenAI-compatible routes, SSE streaming, limits, cancellation
+    lifecycle.py     what `serve` logs at start; graceful shutdown (SIGTERM drains, then aborts)
     prometheus.py    /metrics in vLLM's names
     admission.py     queue caps, rate limits, timeouts: who gets in under overload
     dashboard.py     the classroom dashboard (static/dashboard.html) and its replay

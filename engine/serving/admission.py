@@ -29,6 +29,10 @@ second; a request takes what it costs, or waits until the bucket holds that much
 Everything here is policy and arithmetic on numbers we are given (a clock reading `now`, the load):
 no HTTP, no threads, so a unit test can drive it with a fake clock. The server turns a `Rejected`
 into the HTTP answer; `AsyncLLMEngine` calls `Admission.admit` and enforces the `Deadlines`.
+
+`Degradation` is the gentler answer to a long queue: a token cap on every request, and while the
+queue is long, shorter answers and low-priority requests shed. The server does not apply it yet;
+the incident runner does (engine/lab/incidents.py, `run_scenario(..., degradation=...)`).
 """
 
 from __future__ import annotations
@@ -312,6 +316,83 @@ class Deadlines:
         if self.queue is not None and not started and now > self.queue:
             return "queue_timeout"
         return None
+
+
+# ---- degradation: serve less, rather than nobody -------------------------------------------------
+
+SHED_REASON = "shed_low_priority"  # the Rejected.reason of a request shed while degraded
+
+
+@dataclass(frozen=True)
+class Served:
+    """How `Degradation.apply` lets a request in: the `max_tokens` it gets, and why it got less than
+    it asked for (`capped`: the token cap; `degraded`: the queue was long)."""
+
+    max_tokens: int
+    capped: bool = False
+    degraded: bool = False
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """What we give up while the queue is long, so that the requests we keep still meet the SLO.
+
+    A queue cap (above) answers overload with "no". Degradation answers with "less": while at least
+    `queue_at` requests wait for a seat, every new request gets at most `degraded_max_tokens` output
+    tokens (each seat turns over sooner, so the queue drains), and requests of priority
+    `shed_priority_from` or more (vLLM: a larger number is less urgent) are refused with 503:
+
+        max_tokens asked ──► min(asked, max_tokens_cap)                      the token cap, always
+                         ──► waiting >= queue_at ?  no ──► served as capped
+                                                    yes ─► priority >= shed_priority_from ? ─► 503
+                                                           else min(capped, degraded_max_tokens)
+
+    A shorter answer is a worse answer, so degrade only what the product can afford to shorten, and
+    say so (the finish_reason stays "length"). None everywhere (default) changes nothing.
+    """
+
+    max_tokens_cap: int | None = None
+    queue_at: int | None = None
+    degraded_max_tokens: int | None = None
+    shed_priority_from: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_cap", "queue_at", "degraded_max_tokens"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                       and value >= 1),
+                     f"Degradation.{name}={value!r} must be an integer >= 1 (or None: off)")
+        shed = self.shed_priority_from
+        _require(shed is None or (isinstance(shed, int) and not isinstance(shed, bool)),
+                 f"Degradation.shed_priority_from={shed!r} must be an int priority (or None: off)")
+        acts = self.degraded_max_tokens is not None or shed is not None
+        _require(self.queue_at is not None or not acts,
+                 "Degradation: degraded_max_tokens / shed_priority_from need queue_at, the number "
+                 "of waiting requests at which we degrade")
+        _require(self.queue_at is None or acts,
+                 f"Degradation.queue_at={self.queue_at} does nothing without degraded_max_tokens "
+                 "or shed_priority_from: set one of them, or leave queue_at None")
+
+    def is_degraded(self, num_waiting: int) -> bool:
+        return self.queue_at is not None and num_waiting >= self.queue_at
+
+    def apply(self, max_tokens: int, priority: int, num_waiting: int) -> Served:
+        """The `Served` terms of a request asking for `max_tokens` at `priority` while
+        `num_waiting` requests wait for a seat; or raise `Rejected` (503, SHED_REASON)."""
+        cap = self.max_tokens_cap
+        served = Served(max_tokens) if cap is None or max_tokens <= cap else Served(cap, True)
+        if not self.is_degraded(num_waiting):
+            return served
+        if self.shed_priority_from is not None and priority >= self.shed_priority_from:
+            raise Rejected(503, SHED_REASON,
+                           f"the server is degraded: {num_waiting} requests wait for a seat "
+                           f"(queue_at={self.queue_at}) and priority {priority} >= "
+                           f"shed_priority_from={self.shed_priority_from} is shed; retry later "
+                           "or with a more urgent priority", DEFAULT_RETRY_AFTER_S)
+        low = self.degraded_max_tokens
+        if low is None or served.max_tokens <= low:
+            return served
+        return Served(low, served.capped, True)
 
 
 # ---- command-line flags (`python -m engine serve`) -----------------------------------------------

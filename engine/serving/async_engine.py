@@ -25,7 +25,9 @@ strings (with `stop=["\\n\\n"]` we hold back the last len(stop) - 1 characters u
 are not the start of a stop string, which would be cut from the answer). The text sent is therefore
 always a prefix of the final text, and the deltas add up to exactly `LLM.generate`'s text.
 
-The engine's `Trace` keeps growing while a server runs; we keep its last `max_trace_steps` steps.
+A server runs for weeks, so we switch the engine's `Trace` to a bounded window
+(`engine.trace.TraceRetention.server()`: the last reports whole, a ring of small summaries, an
+optional rotated JSON-lines file) when this front is made: memory stays bounded in bytes.
 """
 
 from __future__ import annotations
@@ -44,13 +46,10 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.serving.admission import Admission, Deadlines, Load, prefill_tokens_left
-from engine.trace import StepReport
+from engine.trace import StepReport, TraceRetention
 
 log = logging.getLogger(__name__)
 
-# About three minutes of steps at 100 steps/s, a few tens of MB of reports:
-# enough to replay a benchmark run.
-TRACE_STEPS_KEPT = 20_000
 SHUTDOWN_WAIT_S = 10.0  # how long shutdown() waits for the engine thread to finish its current step
 
 
@@ -145,14 +144,12 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepReport], None] | None = None,
                  on_finish: Callable[[RequestTiming, int], None] | None = None,
-                 max_trace_steps: int | None = TRACE_STEPS_KEPT, admission: Admission | None = None,
+                 trace: TraceRetention | None = None, admission: Admission | None = None,
                  on_abort: Callable[[str, str], None] | None = None):
-        if max_trace_steps is not None and max_trace_steps < 1:
-            raise ValueError(f"max_trace_steps={max_trace_steps!r} must be >= 1 "
-                             "(or None to keep every step)")
         self.engine, self.on_step, self.on_finish = engine, on_step, on_finish
         self.admission, self.on_abort = admission or Admission(), on_abort
-        self.max_trace_steps = max_trace_steps
+        # a server's window, unless the caller asks for another (TraceRetention() keeps all)
+        engine.trace.retain(trace if trace is not None else TraceRetention.server())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # request id -> bookkeeping (engine thread only)
         self._owner: dict[str, str] = {}  # sample id ("<id>#i") -> request id
@@ -228,6 +225,15 @@ class AsyncLLMEngine:
         """Abort `request_id` before the next step (no-op if it already finished). Never blocks."""
         if self._thread.is_alive():
             self._commands.put((lambda e: self._abort(request_id, reason), None))
+
+    def abort_all(self, reason: str) -> concurrent.futures.Future:
+        """Abort every request in flight (a shutdown whose drain ran out of time), on the engine
+        thread; the Future's result is how many were aborted. Usable from any thread."""
+        return self.call(lambda e: sum(self._abort(rid, reason) for rid in list(self._tracked)))
+
+    def num_in_flight(self) -> concurrent.futures.Future:
+        """A Future of the number of requests in flight (added, not yet finished)."""
+        return self.call(lambda e: len(self._tracked))
 
     def load(self) -> Load:
         """Requests in flight and prompt tokens still to prefill
@@ -318,20 +324,18 @@ class AsyncLLMEngine:
         return aborted
 
     def _step(self) -> None:
-        steps = self.engine.trace.steps
-        last = steps[-1] if steps else None
+        trace = self.engine.trace
+        recorded = trace.num_recorded
         try:
             report = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the engine finished the requests it ran with "error"
             log.exception("an engine step failed")
-            if not steps or steps[-1] is last:  # it failed before running anyone: end every request
+            if trace.num_recorded == recorded:  # it failed before running anyone: end every request
                 for rid in list(self._tracked):
                     self._fail(rid, f"{type(exc).__name__}: {exc}")
                 return
-            report = steps[-1]
+            report = trace.steps[-1]
         self._publish(report)
-        if self.max_trace_steps is not None and len(steps) > self.max_trace_steps:
-            del steps[: len(steps) - self.max_trace_steps]
         self._notify(self.on_step, report)
 
     def _publish(self, report: StepReport) -> None:

@@ -46,9 +46,9 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-from tqdm.auto import tqdm
 
 from engine.companions.metrics import SLO, RequestTiming, mean, nearest_rank, std, summarize
+from engine.progress import progress_bar
 
 # vLLM's AIOHTTP_TIMEOUT: a benchmark request may wait behind hours of queue
 REQUEST_TIMEOUT_S = 6 * 3600
@@ -286,7 +286,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
     chat, url = "chat" in endpoint, base_url.rstrip("/") + endpoint
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), disable=disable_tqdm, desc="bench serve", unit="req")
+    bar = progress_bar(total=len(requests), disable=disable_tqdm, desc="bench serve", unit="req")
     limits = httpx.Limits(max_connections=max_concurrency,
                           max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:

@@ -90,6 +90,7 @@ from engine.sampling import SamplingParams
 from engine.serving.admission import Admission, AdmissionLimits, Rejected
 from engine.serving.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from engine.serving.prometheus import ServerMetrics
+from engine.trace import TraceRetention
 
 # 1 MiB: about 250k tokens of English text, far more than any context we serve. A bigger body is
 # refused (413) before it is read, so one huge upload cannot fill the server's memory.
@@ -97,11 +98,17 @@ MAX_REQUEST_BYTES = 1 << 20
 # OpenAI's default for /v1/completions (chat: the rest of the context)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 SHOWN_INPUT_CHARS = 60  # an error message quotes at most this much of a bad value
+# A request body's limits beyond its size: OpenAI's deepest bodies (a JSON schema for structured
+# outputs) nest a few tens of levels; Python's int() refuses more than 4,300 digits with an error
+# that names no field, and no field of ours needs more than 20 (2**64 has 20 digits).
+MAX_JSON_DEPTH = 64
+MAX_NUMBER_DIGITS = 100
 STARTUP_WAIT_S = 30.0  # BackgroundServer: how long to wait for uvicorn to listen
 STARTUP_POLL_S = 0.01
 # BackgroundServer.stop: how long open streams may go on before they are cut
 GRACEFUL_SHUTDOWN_S = 5.0
 REQUEST_ID_HEADER = "X-Request-Id"  # vLLM's and most proxies' name for it
+SHUTDOWN_ABORT = "shutdown"  # the abort reason of requests still running when a drain ends
 # A client's own request id: URL-safe characters only (RFC 3986's unreserved set), so it goes
 # into /v1/requests/{id}/cancel as it is; 128 characters hold a UUID with any prefix and still
 # fit a log line.
@@ -134,6 +141,73 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param, code)
+
+
+def parse_json_body(body: bytes):
+    """The body as JSON, or a 400 that names the field and says what is wrong with it. Stricter
+    than `json.loads`: no NaN / Infinity (not JSON, and a temperature of Infinity samples noise),
+    no number that overflows a float (1e400) or has more than MAX_NUMBER_DIGITS digits, and at most
+    MAX_JSON_DEPTH levels of nesting (Python's parser would otherwise raise RecursionError or an
+    unnamed ValueError: a 500 that also dropped the connection)."""
+    try:
+        data = json.loads(body, parse_constant=_BadNumber.constant, parse_float=_BadNumber.float,
+                          parse_int=_BadNumber.int)
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                          None, "too_deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON ({e}); send one JSON object",
+                          None, "invalid_json") from None
+    problem = _first_problem(data)
+    if problem is not None:
+        path, message, code = problem
+        shown = path if len(path) <= SHOWN_INPUT_CHARS else path[:SHOWN_INPUT_CHARS] + "..."
+        raise bad_request(f"{shown}: {message}", path.split(".")[0].split("[")[0] or None, code)
+    return data
+
+
+class _BadNumber:
+    """What the parser puts where a number it must refuse stood, so that `_first_problem` can
+    name the field (the parser's hooks do not know where they are)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    @staticmethod
+    def constant(name: str):
+        return _BadNumber(f"{name} is not a JSON number; send a finite number")
+
+    @staticmethod
+    def float(text: str):
+        value = float(text)
+        return value if math.isfinite(value) else _BadNumber(
+            f"{text[:SHOWN_INPUT_CHARS]} overflows a 64-bit float; send a finite number")
+
+    @staticmethod
+    def int(text: str):
+        digits = len(text.lstrip("-"))
+        return int(text) if digits <= MAX_NUMBER_DIGITS else _BadNumber(
+            f"a number of {digits} digits; at most {MAX_NUMBER_DIGITS} are accepted")
+
+
+def _first_problem(data) -> tuple[str, str, str] | None:
+    """(path, message, code) of the first refused number or of a value nested deeper than
+    MAX_JSON_DEPTH; None when there is none. Iterative: no recursion of ours to blow."""
+    todo = [(data, "", 0)]
+    while todo:
+        value, path, depth = todo.pop()
+        where = path or "the request body"
+        if isinstance(value, _BadNumber):
+            return where, value.message, "invalid_number"
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            return where, f"nests deeper than {MAX_JSON_DEPTH} levels", "too_deep"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = [(child, f"{path}.{key}".lstrip(".") if isinstance(key, str)
+                     else f"{path}[{key}]", depth + 1) for key, child in items]
+        todo += reversed(children)  # depth first, in document order
+    return None
 
 
 def _short(value) -> str:
@@ -221,7 +295,7 @@ class OpenAIServer:
 
     def __init__(self, engine: LLMEngine, model_name: str,
                  max_request_bytes: int = MAX_REQUEST_BYTES, limits: AdmissionLimits | None = None,
-                 api_keys: dict[str, str] | None = None):
+                 api_keys: dict[str, str] | None = None, trace: TraceRetention | None = None):
         if engine.tokenizer is None:
             raise ValueError("the server needs a model with a tokenizer (prompts arrive as text)")
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
@@ -233,11 +307,17 @@ class OpenAIServer:
         self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step,
                                     on_finish=self.metrics.on_finish,
                                     admission=Admission(self.limits),
-                                    on_abort=self.metrics.on_abort)
+                                    on_abort=self.metrics.on_abort, trace=trace)
         self.created = int(time.time())
+        # set by a graceful shutdown (engine/serving/shutdown.py): new requests get 503
+        self.draining = False
 
     # ---- GET endpoints ---------------------------------------------------------------------------
     async def health(self) -> Response:
+        """200 while we take requests; 503 once the engine thread stopped or a shutdown began
+        (a load balancer then sends new traffic elsewhere)."""
+        if self.draining:
+            return Response(status_code=503, content=b"shutting down")
         ok = self.front.is_running
         return Response(status_code=200 if ok else 503,
                         content=b"" if ok else b"engine thread is not running")
@@ -295,6 +375,10 @@ class OpenAIServer:
 
     # ---- the shared path -------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[BaseModel]):
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down: it finishes the requests it has "
+                              "and takes no new ones; send this one to another server",
+                              None, "shutting_down", "server_error")
         self._key_tenant(request)  # an unknown key is refused before we read its body
         data = await self._read_json(request)
         try:
@@ -319,11 +403,7 @@ class OpenAIServer:
             body += chunk
             if len(body) > self.max_request_bytes:
                 raise self._too_large(len(body))
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON ({e}); send one JSON object",
-                              None, "invalid_json") from None
+        data = parse_json_body(bytes(body))
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object, "
                               f"got a {type(data).__name__}")
@@ -537,8 +617,8 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def timeout_error(self, update: RequestUpdate) -> OpenAIError | None:
-        """The error for a request its deadline aborted
-        (engine/serving/admission.py's `Deadlines`), else None."""
+        """The error for a request its deadline aborted (engine/serving/admission.py's
+        `Deadlines`), or a shutdown's drain deadline (engine/serving/shutdown.py), else None."""
         if update.abort_reason == "queue_timeout":
             return OpenAIError(503, "the request waited longer than its queue timeout "
                                "(queue_timeout_s) for its first step and was aborted: "
@@ -548,6 +628,10 @@ class _Reply:
             return OpenAIError(504, "the request ran past its deadline (request_timeout_s) "
                                "and was aborted; ask for fewer max_tokens or a longer "
                                "request_timeout_s", None, "request_timeout", "timeout_error")
+        if update.abort_reason == SHUTDOWN_ABORT:
+            return OpenAIError(503, "the server shut down before this request finished (it "
+                               "drained for its --shutdown-timeout, then stopped): retry it",
+                               None, "server_shutdown", "server_error", self.retry_after_s)
         return None
 
     def whole(self, updates: list[RequestUpdate]) -> Response:
@@ -620,20 +704,23 @@ async def _client_gone(request: Request) -> None:
 
 def build_app(engine: LLMEngine, model_name: str | None = None,
               max_request_bytes: int = MAX_REQUEST_BYTES, limits: AdmissionLimits | None = None,
-              api_keys: dict[str, str] | None = None) -> FastAPI:
+              api_keys: dict[str, str] | None = None,
+              trace: TraceRetention | None = None) -> FastAPI:
     """A FastAPI app serving `engine` under `model_name` (default: the engine's model name). The app
     holds its own AsyncLLMEngine (started and stopped with the app's lifespan) at `app.state.front`,
     the metrics at `app.state.metrics`. `limits`: overload protection
     (engine/serving/admission.py; default: none); `api_keys`: bearer key -> tenant
-    (default: no keys, the tenant is OpenAI's `user`)."""
+    (default: no keys, the tenant is OpenAI's `user`); `trace`: what the engine's trace keeps
+    (default `TraceRetention.server()`: bounded)."""
     server = OpenAIServer(engine, model_name or engine.config.model, max_request_bytes, limits,
-                          api_keys)
+                          api_keys, trace)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.front.start()
         yield
         await asyncio.to_thread(server.front.shutdown)
+        engine.trace.close()  # the trace file, if any
 
     app = FastAPI(title="servelab",
                   description="an OpenAI-compatible server over a step-through engine",
@@ -661,11 +748,6 @@ def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}", None, None,
                        "server_error").response()
-
-
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until Ctrl-C (`python -m engine serve`)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
 class BackgroundServer:

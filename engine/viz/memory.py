@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -48,8 +49,30 @@ CURVE_POINTS = 400  # samples along a curve: smooth at any zoom a notebook offer
 # extend the x axis 15% past where the largest card fills, so the crossing shows
 CROSSING_MARGIN = 1.15
 ROOFLINE_DECADES_MARGIN = 10.0  # one decade of room either side of the points and the ridge
-LABEL_LIFT = 1.4  # a text label sits this factor above its line on a log axis
+# The roofline's y axis runs to 8x the highest point or peak: above the flat roof, where nothing
+# measured can sit, two rows of text fit (the regimes at 1.7x, the ridge's value at 4x: a log axis,
+# so each row is about a quarter of a decade, two text heights, above the one below).
+ROOFLINE_HEADROOM = 8.0
+REGIME_LIFT, RIDGE_LIFT = 1.7, 4.0
+RIDGE_GAP_PT = 4  # the regime names stand this far either side of the ridge line
+LABEL_FONTSIZE = 8
+POINTS_PER_INCH = 72.0
+MARKER_HALF_PT = 4.0  # half the side of a marker's box: scatter's default s=36 is a 6 pt disc
+MARKER_CLEAR_PT = 9.0  # no label comes nearer than this to a point it does not name
+# a white ground under each label, so grid lines do not strike through it (pad in points)
+LABEL_BACKGROUND = {"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.5}
+# Where a point's label may go, nearest first: the distance from the point (points), and the
+# directions as (dx, dy) in -1/0/1 (right of the point preferred, as a reader scans).
+LABEL_RADII_PT = (6, 12, 22, 34, 48, 64)
+LABEL_DIRECTIONS = ((1, 0), (1, 1), (1, -1), (0, 1), (0, -1), (-1, 0), (-1, 1), (-1, -1))
+LEADER_FROM_PT = 12  # a label this far from its point gets a leader line back to it
+LINE_COST_TIERS = 2  # a label across the roof or the ridge line ranks as if two radii farther out
 FIGSIZE = (8.0, 4.5)
+# A request's row in render_request_timelines, in row units: the TTFT bar spans +-0.25 around it,
+# the summary line hangs from 0.35 (its top) below it, and the row ends at 0.7, before the next bar.
+TIMELINE_BAR_HEIGHT = 0.5
+TIMELINE_TEXT_BELOW = 0.35
+TIMELINE_ROW_BOTTOM = 0.7
 FIGSIZE_WIDE = (11.0, 4.2)
 
 # The calculator's allowed ranges: wide enough for every published model we know of (Llama-3.1-405B
@@ -160,7 +183,11 @@ def render_roofline(roofline: MachineRoofline,
                     points: Sequence[tuple[str, float, float]]) -> Figure:
     """A log-log roofline with measured points (label, intensity in FLOP/byte, achieved FLOP/s).
 
-    Points whose labels share their first word ("prefill ...", "decode ...") share a colour.
+    Points whose labels share their first word ("prefill ...", "decode ...") share a colour. Above
+    the flat roof, where no measured point can be, one row names the two regimes either side of
+    the ridge and a second row gives the ridge's value. Each point's label is placed where it
+    overlaps no other label, no marker and no text (`_place_point_labels`); a label that had to
+    move away from its point is tied to it by a thin leader line.
     """
     for label, intensity, flops in points:
         if not (intensity > 0 and flops > 0):
@@ -175,28 +202,109 @@ def render_roofline(roofline: MachineRoofline,
     fig, ax = _new_figure()
     ax.plot(x, roof, "k-", lw=2, label="roofline: min(peak, bandwidth x intensity)", gid="roof")
     ax.axvline(ridge, color="grey", ls=":", gid="ridge")
-    ax.text(ridge, roofline.peak_flops * LABEL_LIFT, f" ridge {ridge:.1f} FLOP/B", color="grey")
-    ax.text(x[0], roofline.bandwidth_bytes_per_s * x[0] * LABEL_LIFT, "bandwidth-bound",
-            color="grey")
-    ax.text(x[-1], roofline.peak_flops * LABEL_LIFT, "compute-bound", ha="right", color="grey")
     groups = list(dict.fromkeys(label.split()[0] for label, _, _ in points))
     colours = {g: f"C{i}" for i, g in enumerate(groups)}
-    for i, (label, intensity, flops) in enumerate(points):
-        group = label.split()[0]
-        ax.scatter([intensity], [flops], color=colours[group], zorder=3, gid=f"point:{label}")
-        # alternate sides so neighbouring labels overlap less
-        below = (4, -11) if i % 2 == 0 else (4, 5)
-        ax.annotate(label, (intensity, flops), textcoords="offset points", xytext=below, fontsize=7)
+    for label, intensity, flops in points:
+        ax.scatter([intensity], [flops], color=colours[label.split()[0]], zorder=3,
+                   gid=f"point:{label}")
     for g in groups:
         ax.scatter([], [], color=colours[g], label=g)
+    top = max([roofline.peak_flops] + [p[2] for p in points])
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte moved)",
-           ylabel="FLOP/s",
-           ylim=(min([p[2] for p in points] + [roof[0]]) / 3, roofline.peak_flops * 4),
+           ylabel="FLOP/s", xlim=(x[0], x[-1]),
+           ylim=(min([p[2] for p in points] + [roof[0]]) / 3, top * ROOFLINE_HEADROOM),
            title=f"Roofline ({roofline.dtype}): peak {_si(roofline.peak_flops)}FLOP/s, "
                  f"bandwidth {_si(roofline.bandwidth_bytes_per_s)}B/s")
-    ax.legend(loc="lower right", fontsize=8)
+    _ridge_texts(ax, ridge, top)
+    # below the axes, outside them: never on a point or a label
+    fig.legend(loc="outside lower center", ncols=1 + len(groups), fontsize=8, frameon=False)
     ax.grid(True, which="both", alpha=0.3)
+    _place_point_labels(fig, ax, points, (x, roof), ridge)
     return fig
+
+
+def _ridge_texts(ax, ridge: float, top: float) -> None:
+    """Two rows above everything measured: the regimes either side of the ridge, then its value."""
+    ax.annotate("\u2190 bandwidth-bound", (ridge, top * REGIME_LIFT), textcoords="offset points",
+                xytext=(-RIDGE_GAP_PT, 0), ha="right", va="center", color="grey",
+                gid="regime:bandwidth")
+    ax.annotate("compute-bound \u2192", (ridge, top * REGIME_LIFT), textcoords="offset points",
+                xytext=(RIDGE_GAP_PT, 0), ha="left", va="center", color="grey",
+                gid="regime:compute")
+    ax.annotate(f"ridge {ridge:.1f} FLOP/B", (ridge, top * RIDGE_LIFT), ha="center", va="center",
+                color="grey", gid="ridge-label",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    for text in ax.texts:
+        text.set_in_layout(False)  # inside the axes: the layout need not make room for them
+
+
+def _candidate_box(anchor, offset_px, size, direction) -> np.ndarray:
+    """[x0, y0, x1, y1] of a label of `size` (w, h) anchored at `anchor` + `offset_px`, aligned
+    away from the point along `direction` (left-aligned when it lies to the right, and so on)."""
+    (w, h), (dx, dy) = size, direction
+    x = anchor[0] + offset_px[0] - w * (0.5 - 0.5 * dx)
+    y = anchor[1] + offset_px[1] - h * (0.5 - 0.5 * dy)
+    return np.array([x, y, x + w, y + h])
+
+
+def _overlaps(box: np.ndarray, others: np.ndarray) -> int:
+    """How many of the boxes `others` [N, 4] intersect `box` [4]."""
+    if len(others) == 0:
+        return 0
+    return int(np.sum((others[:, 0] < box[2]) & (others[:, 2] > box[0])
+                      & (others[:, 1] < box[3]) & (others[:, 3] > box[1])))
+
+
+def _place_point_labels(fig: Figure, ax, points, roof_xy, ridge: float) -> None:
+    """Greedy label placement in display space, nearest spot first.
+
+    We run the layout once (so the axes stop moving; the labels are left out of it), then try
+    each label at LABEL_RADII_PT from its point in LABEL_DIRECTIONS. A spot is allowed when the
+    label lies inside the axes and overlaps no placed label, no ridge text, its own marker, and
+    no other marker or the MARKER_CLEAR_PT around it (so no label sits beside a point it does not
+    name). Among allowed spots the nearest wins, where lying across the roof or the ridge line
+    counts as LINE_COST_TIERS radii farther (a long leader line is worse than a crossed line);
+    if no spot is allowed, the least crowded one.
+    """
+    renderer = FigureCanvasAgg(fig).get_renderer()  # Agg: what every static figure is drawn with
+    fig.draw_without_rendering()
+    frame = ax.get_window_extent(renderer)
+    px_per_pt = fig.dpi / POINTS_PER_INCH
+    xy = ax.transData.transform([(p[1], p[2]) for p in points])  # [N, 2] the markers, in pixels
+    own, clear = MARKER_HALF_PT * px_per_pt, MARKER_CLEAR_PT * px_per_pt
+    markers = np.column_stack([xy - clear, xy + clear])  # [N, 4] the room other labels keep off
+    texts = [t.get_window_extent(renderer).extents for t in ax.texts]
+    roof_px = ax.transData.transform(np.column_stack(roof_xy))  # [CURVE_POINTS, 2]
+    ridge_x = ax.transData.transform((ridge, 1.0))[0]
+    # the roof's samples as zero-size boxes, and the ridge line as one zero-wide box
+    lines = np.vstack([np.column_stack([roof_px, roof_px]),
+                       [[ridge_x, frame.y0, ridge_x, frame.y1]]])
+    for i, ((label, intensity, flops), anchor) in enumerate(zip(points, xy, strict=True)):
+        obstacles = np.array(texts + [np.r_[anchor - own, anchor + own]]
+                             + [m for j, m in enumerate(markers) if j != i])
+        probe = ax.text(0, 0, label, fontsize=LABEL_FONTSIZE)
+        size = probe.get_window_extent(renderer).size
+        probe.remove()
+        best = None
+        for tier, radius in enumerate(LABEL_RADII_PT):
+            for direction in LABEL_DIRECTIONS:
+                box = _candidate_box(anchor, np.array(direction) * radius * px_per_pt, size,
+                                     direction)
+                inside = (box[0] >= frame.x0 and box[1] >= frame.y0
+                          and box[2] <= frame.x1 and box[3] <= frame.y1)
+                score = (_overlaps(box, obstacles) + (0 if inside else len(obstacles) + 1),
+                         tier + LINE_COST_TIERS * (_overlaps(box, lines) > 0))
+                if best is None or score < best[0]:
+                    best = (score, direction, radius, box)
+        _, (dx, dy), radius, box = best
+        texts.append(box)
+        leader = ({"arrowstyle": "-", "color": "0.45", "lw": 0.6, "shrinkA": 1, "shrinkB": 3}
+                  if radius >= LEADER_FROM_PT else None)
+        ax.annotate(label, (intensity, flops), textcoords="offset points",
+                    xytext=(dx * radius, dy * radius), fontsize=LABEL_FONTSIZE,
+                    ha=("center", "left", "right")[dx], va=("center", "bottom", "top")[dy],
+                    arrowprops=leader, gid=f"label:{label}", annotation_clip=False,
+                    bbox=LABEL_BACKGROUND).set_in_layout(False)
 
 
 def render_request_timelines(step_times_s: Mapping[str, Sequence[float]]) -> Figure:
@@ -213,15 +321,18 @@ def render_request_timelines(step_times_s: Mapping[str, Sequence[float]]) -> Fig
             raise ValueError(f"render_request_timelines: request {label!r} has no steps")
         arrivals = np.cumsum(times) * MS_PER_S  # when each token is ready
         ttft, e2e = arrivals[0], arrivals[-1]
-        ax.barh(row, ttft, color="C3", alpha=0.35, gid=f"ttft:{label}")
+        ax.barh(row, ttft, height=TIMELINE_BAR_HEIGHT, color="C3", alpha=0.35,
+                gid=f"ttft:{label}")
         ax.plot(arrivals, np.full_like(arrivals, row), "|", color="C0", ms=12,
                 gid=f"tokens:{label}")
         tpot = (e2e - ttft) / (len(times) - 1) if len(times) > 1 else float("nan")
-        ax.text(0, row + 0.38,
+        ax.text(0, row + TIMELINE_TEXT_BELOW,
                 f"TTFT {ttft:.0f} ms · TPOT {tpot:.1f} ms ({MS_PER_S / tpot:.0f} tokens/s "
-                f"while decoding) · {len(times)} tokens in {e2e:.0f} ms", fontsize=8, va="center")
+                f"while decoding) · {len(times)} tokens in {e2e:.0f} ms", fontsize=8, va="top",
+                gid=f"summary:{label}")
     ax.set_yticks(range(len(step_times_s)), list(step_times_s))
-    ax.set(xlabel="ms since the request arrived", ylim=(-0.6, len(step_times_s) - 0.1),
+    ax.set(xlabel="ms since the request arrived",
+           ylim=(-TIMELINE_BAR_HEIGHT, len(step_times_s) - 1 + TIMELINE_ROW_BOTTOM),
            title="Shaded: waiting for the first token (TTFT). Ticks: each token as it arrives.")
     ax.invert_yaxis()
     return fig
@@ -445,10 +556,11 @@ def kv_calculator_widget(preset: str = "Llama-3-8B", batch: int = 32, tokens: in
     """Sliders for L, B, T, Hkv, D and the dtype, plus a preset menu, over `render_kv_calculator`.
 
     Needs ipywidgets (an ImportError otherwise: show the static figure instead). A value the formula
-    cannot take (say 3 KV heads for 32 query heads) prints a message instead of a figure.
+    cannot take (say 3 KV heads for 32 query heads) keeps the last figure and says why under it.
     """
     import ipywidgets as w
-    from IPython.display import display
+
+    from engine.viz.widgets import interactive_figure
 
     shape = calculator_shape(preset)
     int_slider = lambda field, value, **kw: w.IntSlider(  # noqa: E731 - a tiny local factory
@@ -474,12 +586,10 @@ def kv_calculator_widget(preset: str = "Llama-3-8B", batch: int = 32, tokens: in
 
     controls["preset"].observe(on_preset, names="value")
 
-    def draw(preset, layers, batch, tokens, kv_heads, head_dim, kv_dtype, vs) -> None:
-        try:
-            s = calculator_shape(preset, layers, kv_heads, head_dim)
-            display(render_kv_calculator(s, batch, tokens, kv_dtype, vs=vs))
-        except ValueError as err:
-            print(f"Cannot draw this: {err}")
+    def draw(preset, layers, batch, tokens, kv_heads, head_dim, kv_dtype, vs) -> Figure:
+        s = calculator_shape(preset, layers, kv_heads, head_dim)  # a ValueError: said under it
+        return render_kv_calculator(s, batch, tokens, kv_dtype, vs=vs)
 
-    out = w.interactive_output(draw, controls)
+    # an Image, not an Output widget: nbconvert and nbmake cannot stall on it (viz/widgets.py)
+    out = interactive_figure(draw, controls)
     return w.VBox([w.HBox(list(controls.values())[:4]), w.HBox(list(controls.values())[4:]), out])

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
 from engine.config import ModelConfig
+from engine.viz.training import whole_run
 
 MB = 10**6  # decimal megabytes, like engine.companions.memory's GB
 PERCENT = 100.0
@@ -191,7 +192,11 @@ def render_loss_curve(training_log: Mapping) -> Figure:
 
     The log is what `engine.lab.training.train` writes: "loss" and "tokens_per_s" per step, "steps",
     and the "config" (batch_rows × context_tokens tokens per step, used for a tokens-seen axis).
+    A resumed run nests its earlier parts under "previous"; we draw the whole run from its first
+    step (`engine.viz.training.whole_run`), with a dotted line where each later part began.
     """
+    if training_log.get("previous"):
+        training_log = whole_run(dict(training_log))
     loss = np.asarray(training_log.get("loss") or [], dtype=float)
     if loss.size == 0:
         raise ValueError("training_log['loss'] is missing or empty: "
@@ -207,8 +212,8 @@ def render_loss_curve(training_log: Mapping) -> Figure:
     ax.set_xlabel("training step")
     ax.set_ylabel("cross-entropy (nats per target token)")
     tail = min(SMOOTH_STEPS, loss.size)
-    ax.legend(title=f"loss {loss[0]:.2f} at step 0 → {loss[-tail:].mean():.2f} (last {tail} steps)",
-              title_fontsize=9)
+    ax.legend(title=f"loss {loss[0]:.2f} at step {steps[0]:,.0f} → {loss[-tail:].mean():.2f} "
+                    f"(last {tail} steps)", title_fontsize=9)
     ax.grid(alpha=0.3)
     cfg = training_log.get("config") or {}
     if cfg.get("batch_rows") and cfg.get("context_tokens"):
@@ -219,6 +224,13 @@ def render_loss_curve(training_log: Mapping) -> Figure:
     tps = training_log.get("tokens_per_s") or []
     if len(tps) == loss.size:
         ax_tps.plot(steps, tps, color="tab:orange", gid="tokens_per_s")
+    for a in (ax, ax_tps):
+        for step in training_log.get("resumed_at", []):
+            a.axvline(step, color="grey", ls=":", lw=1, gid=f"resumed:{step}")
+            # halfway up: clear of the legend and of the curves, which lie low by then
+            a.annotate(f"resumed at step {step:,}", (step, 0.5),
+                       xycoords=("data", "axes fraction"), rotation=90, fontsize=8, color="grey",
+                       ha="right", va="center")
     ax_tps.set_xlabel("training step")
     ax_tps.set_ylabel("tokens per second (average so far)")
     ax_tps.grid(alpha=0.3)

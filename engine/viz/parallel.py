@@ -311,8 +311,9 @@ def _draw_pipeline(ax, label: str, spans: list, t0_all: float) -> str:
     ax.set_ylim(-0.6, len(stages) - 0.4)
     P, M = len(stages), len(micro)
     bubble = _bubble(spans)
-    return (f"{label}: P = {P} stages, M = {M} micro-batch{'es' if M > 1 else ''}; bubble measured "
-            f"{bubble:.0%}, formula (P-1)/(M+P-1) = {(P - 1) / (M + P - 1):.0%}")
+    return (f"{label}: P = {P} stages, M = {M} micro-batch{'es' if M > 1 else ''}; step "
+            f"{width_ms:.0f} ms, bubble {bubble:.0%} (formula (P-1)/(M+P-1) = "
+            f"{(P - 1) / (M + P - 1):.0%})")
 
 
 def _bubble(spans: list) -> float:
@@ -328,9 +329,10 @@ def render_pipeline_timeline(timelines: Mapping) -> Figure:
     """One panel per pipelined step, e.g. {"M = 1": timeline, "M = 4": timeline}: a row per stage
     (stage 0 on top), a box per micro-batch from when that stage started it to when it finished,
     coloured by micro-batch; the stage's idle time within the step hatched (the bubble). Each
-    panel's title gives the measured bubble (1 - busy / (P x step span)) next to the formula
-    (P - 1) / (M + P - 1) for equal stages and no communication. The panels share one time axis
-    (ms from each step's start).
+    panel's title gives the step's length and its bubble (1 - busy / (P x step span)) next to the
+    formula (P - 1) / (M + P - 1) for equal stages and no communication. The panels share one
+    time axis (ms from each step's start), so a shorter step ends further left. A panel may also
+    be a schedule built by hand (say the formula's, from a measured step's work): label it so.
 
     timelines: {label: StageTimeline or its spans [(stage, micro_batch, start_s, end_s), ...]}.
     """

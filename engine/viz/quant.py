@@ -12,8 +12,10 @@ time and quality.
     render_layer_speed        speed-up over fp32 of each scheme, per layer shape, decode and prefill
     render_bytes_breakdown    a model's weight bytes by kind, one bar per scheme
                               (what was NOT quantized)
-    render_quality            one small panel per task metric, one bar per scheme,
+    render_quality            one small panel per quality metric, one bar per scheme,
                               fp32 as a dashed line
+    render_gptq_error         a layer's output error, GPTQ against round to nearest, per kind
+                              of input text
     render_kv_int8            KV int8: bytes per token per KV dtype (scales included),
                               and decode step time
 
@@ -42,8 +44,10 @@ PANEL_INCHES = 3.2  # width of one small panel (quality metrics, speed panels)
 # room above the tallest and below the shortest speed-up bar (a factor: log axis)
 SPEED_MARGIN = 1.4
 VALUE_HEADROOM = 1.35  # a quality panel's top: 35% above its highest bar, room for the value labels
-# more bars than this in a quality panel: value labels turn upright so they do not overlap
-CROWDED_SCHEMES = 5
+QUALITY_COLUMNS = 3  # quality panels per row
+QUALITY_PANEL_INCHES = 3.4  # width of one quality panel: room for the value printed past each bar
+LOG_SPAN = 100  # a panel whose values span more than this factor gets a log axis (e.g. KL: 1e-4..1)
+VALUE_FONT, TICK_FONT, TITLE_FONT = 8.5, 9, 10  # points: readable at the notebook's width
 FIGSIZE = (8.0, 4.2)
 BYTES_PER_MIB = 2**20
 KIND_COLORS = {"quantized linears": "tab:green", "quantized lm_head": "tab:olive",
@@ -243,33 +247,76 @@ def render_bytes_breakdown(breakdowns: Mapping[str, Mapping[str, int]], model_na
 
 
 def render_quality(rows: Sequence[Mapping], reference: str = "fp32") -> Figure:
-    """One panel per (task, metric), one bar per scheme; the ``reference`` scheme's value dashed.
+    """One panel per (task, metric), one horizontal bar per scheme (named on the left), its value
+    printed at its end; the ``reference`` scheme's value as a dashed line.
 
-    Each row: {"scheme", "task", "metric", "value"} (``engine.lab.eval.evaluate_model`` rows plus
-    the scheme). Lower is better for perplexity and false refusals, higher for the rest."""
+    Each row: {"scheme", "task", "metric", "value"} (``engine.lab.eval.evaluate_model`` rows or
+    ``engine.loading.quantization.compare_logits`` numbers, plus the scheme). A panel whose values
+    are all positive and span more than ``LOG_SPAN`` times gets a log axis, so small values show."""
     _require("render_quality", "rows", bool(rows), "is empty; evaluate at least one scheme")
     panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
-    value = {(r["scheme"], r["task"], r["metric"]): r["value"] for r in rows}
-    ncols = min(len(panels), 4)
+    value = {(r["scheme"], r["task"], r["metric"]): float(r["value"]) for r in rows}
+    ncols = min(len(panels), QUALITY_COLUMNS)
     nrows = -(-len(panels) // ncols)
-    fig, axes = _new_figure((PANEL_INCHES * ncols, 3.0 * nrows), ncols=ncols, nrows=nrows)
-    for ax, (task, metric) in zip(axes, panels, strict=False):
-        xs = [i for i, s in enumerate(schemes) if (s, task, metric) in value]
-        for i in xs:
-            v = value[(schemes[i], task, metric)]
-            ax.bar(i, v, color=f"C{i}", gid=f"bar:{task}/{metric}:{schemes[i]}")
-            ax.text(i, v, f" {v:.3g}", ha="center", va="bottom", fontsize=6,
-                    rotation=90 if len(schemes) > CROWDED_SCHEMES else 0)
+    fig, axes = _new_figure((QUALITY_PANEL_INCHES * ncols + 1.4,
+                             (0.32 * len(schemes) + 1.0) * nrows), ncols=ncols, nrows=nrows)
+    for n, (ax, (task, metric)) in enumerate(zip(axes, panels, strict=False)):
+        values = [value.get((s, task, metric)) for s in schemes]
+        shown = [v for v in values if v is not None]
+        log = min(shown) > 0 and max(shown) > LOG_SPAN * min(shown)
+        for i, v in enumerate(values):
+            if v is not None:
+                ax.barh(i, v, color=f"C{i}", gid=f"bar:{task}/{metric}:{schemes[i]}")
+                ax.text(v, i, f" {v:.3g}", va="center", fontsize=VALUE_FONT)
         if (reference, task, metric) in value:
-            ax.axhline(value[(reference, task, metric)], **REFERENCE_STYLE)
-        top = max([value[(schemes[i], task, metric)] for i in xs] + [0.0])
-        ax.set_ylim(0, top * VALUE_HEADROOM if top > 0 else 1.0)
-        ax.set_xticks(range(len(schemes)), schemes, rotation=45, ha="right", fontsize=7)
-        ax.set_title(f"{task}: {metric}", fontsize=9)
+            ax.axvline(value[(reference, task, metric)], **REFERENCE_STYLE)
+        if log:
+            ax.set_xscale("log")
+            ax.set_xlim(min(shown) / 2, max(shown) * VALUE_HEADROOM ** 4)
+        else:
+            ax.set_xlim(min(0.0, min(shown)), max(max(shown), 0.0) * VALUE_HEADROOM or 1.0)
+        ax.set_yticks(range(len(schemes)), schemes if n % ncols == 0 else [""] * len(schemes),
+                      fontsize=TICK_FONT)
+        ax.set_ylim(len(schemes) - 0.5, -0.5)  # the first scheme on top
+        ax.tick_params(axis="x", labelsize=TICK_FONT)
+        ax.set_title(f"{task}: {metric}" + (" (log)" if log else ""), fontsize=TITLE_FONT)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle(f"Task scores by scheme (dashed: {reference})")
+    fig.suptitle(f"Quality by scheme (dashed: {reference})")
+    return fig
+
+
+def render_gptq_error(rows: Sequence[Mapping]) -> Figure:
+    """Output error ||x W_q^T - x W^T|| / ||x W^T|| per layer, one bar per method (RTN, GPTQ),
+    one panel per kind of input text ("data"). Each row: {"layer", "method", "data", "error"}."""
+    _require("render_gptq_error", "rows", bool(rows), "is empty; measure at least one layer")
+    datas = list(dict.fromkeys(r["data"] for r in rows))
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    error = {(r["data"], r["layer"], r["method"]): float(r["error"]) for r in rows}
+    fig, axes = _new_figure((QUALITY_PANEL_INCHES * len(datas) + 2.0, 0.5 * len(layers) + 1.8),
+                            ncols=len(datas))
+    height = 0.8 / len(methods)
+    top = max(error.values()) * VALUE_HEADROOM
+    for n, (ax, data) in enumerate(zip(axes, datas, strict=True)):
+        for j, method in enumerate(methods):
+            for i, layer in enumerate(layers):
+                if (data, layer, method) not in error:
+                    continue
+                y, v = i + (j - (len(methods) - 1) / 2) * height, error[(data, layer, method)]
+                ax.barh(y, v, height, color=f"C{j}", label=method if i == 0 and n == 0 else None,
+                        gid=f"bar:{data}:{layer}:{method}")
+                ax.text(v, y, f" {v:.3f}", va="center", fontsize=VALUE_FONT)
+        ax.set_yticks(range(len(layers)), layers if n == 0 else [""] * len(layers),
+                      fontsize=TICK_FONT)
+        ax.set_ylim(len(layers) - 0.5, -0.5)
+        ax.set_xlim(0, top)
+        ax.tick_params(axis="x", labelsize=TICK_FONT)
+        ax.set_xlabel("relative output error", fontsize=TICK_FONT)
+        ax.set_title(data, fontsize=TITLE_FONT)
+    fig.legend(loc="outside lower center", ncols=len(methods), fontsize=TICK_FONT)
+    fig.suptitle("int4 per group: GPTQ against round to nearest, on a layer's real inputs")
     return fig
 
 

@@ -3,6 +3,8 @@
     probe_history        the probe rows of a training log, earlier parts
                          (chained through "previous") first
     loss_history         (steps, losses) of the same chain
+    whole_run            the chain as one log from its first step: steps, losses, throughput
+                         since the start, seconds of all parts (what `render_loss_curve` draws)
     render_probe_curve   left: the fixed probe's exact rates per task against the step; right: the
                          training loss; both mark where the lookup curriculum ends and the decay
                          starts
@@ -60,6 +62,49 @@ def loss_history(log: dict) -> tuple[list[int], list[float]]:
             for s, v in zip(part.get("steps", []), part.get("loss", []), strict=False)}
     steps = sorted(loss)
     return steps, [loss[s] for s in steps]
+
+
+def _throughput_since_start(parts: list[dict], first_step: int) -> dict[int, float]:
+    """Tokens per second from the run's first step to each step, across resumed parts.
+
+    Each part logs its own average since *it* started: step s of a part that began at step s0
+    has tokens_per_s = (s + 1 - s0) * tokens_per_step / elapsed. We undo that to get the part's
+    elapsed seconds, add the wall seconds of the parts before it, and divide the tokens of the
+    whole run so far by the sum. A part without a throughput series leaves the result empty."""
+    result, before_s = {}, 0.0
+    for part in parts:
+        steps, tps = part.get("steps", []), part.get("tokens_per_s", [])
+        cfg = part.get("config", {})
+        per_step = cfg.get("batch_rows", 0) * cfg.get("context_tokens", 0)
+        if not steps or len(tps) != len(steps) or not per_step or not all(tps):
+            return {}
+        start = part.get("resumed_from_step", steps[0])
+        elapsed = [(s + 1 - start) * per_step / v for s, v in zip(steps, tps, strict=True)]
+        result.update({s: (s + 1 - first_step) * per_step / (before_s + e)
+                       for s, e in zip(steps, elapsed, strict=True)})
+        before_s += part.get("train_seconds", elapsed[-1])
+    return result
+
+
+def whole_run(log: dict) -> dict:
+    """One log for the whole training run, however many times it was resumed.
+
+    A resumed run's `training_log.json` holds only its last part at the top level, the earlier
+    ones nested under "previous"; drawn as it is, the curve would start where the last part
+    started. Here every series runs from the first step (a later part wins where two overlap),
+    "train_seconds" / "cpu_seconds" are the sums over the parts, "config" is the last part's,
+    and "resumed_at" lists the steps where a new part began."""
+    parts = _chain(log)
+    steps, losses = loss_history(log)
+    tps = _throughput_since_start(parts, steps[0]) if steps else {}
+    merged = {"config": log.get("config", {}), "steps": steps, "loss": losses,
+              "tokens_per_s": [round(tps[s]) for s in steps] if tps else [],
+              "probe": probe_history(log),
+              "resumed_at": [p["resumed_from_step"] for p in parts[1:] if "resumed_from_step" in p]}
+    for key in ("train_seconds", "cpu_seconds"):
+        if any(key in p for p in parts):
+            merged[key] = round(sum(p.get(key, 0.0) for p in parts), 1)
+    return merged
 
 
 def _marks(log: dict) -> list[tuple[int, str]]:

@@ -117,15 +117,43 @@ def _write_and_compare(mod, positions: list[list[int]], what: str) -> None:
     for b, row in enumerate(positions):
         for t, slot in enumerate(row):
             want_k[b, slot], want_v[b, slot] = k_new[b, t], v_new[b, t]
-    k_ptr, v_ptr = cache_k.data_ptr(), cache_v.data_ptr()
-    mod.write_kv(cache_k, cache_v, k_new, v_new, torch.tensor(positions))
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    returned = mod.write_kv(cache_k, cache_v, k_new, v_new, torch.tensor(positions))
     call = f"write_kv(..., positions={positions}) ({what})"
-    assert cache_k.data_ptr() == k_ptr and cache_v.data_ptr() == v_ptr, (
-        f"{call} replaced the cache tensors")
-    for name, got, want in (("cache_k", cache_k, want_k), ("cache_v", cache_v, want_v)):
-        wrong = sorted({(b, s) for b, s, *_ in torch.nonzero(got != want).tolist()})
-        assert not wrong, (
-            f"{call}: {name} differs from the expected cache at (sequence, slot) {wrong}")
+    for name, got, want, before in (("cache_k", cache_k, want_k, before_k),
+                                    ("cache_v", cache_v, want_v, before_v)):
+        _assert_changed_in_place(call, name, got, before, returned)
+        _assert_slots(call, name, got, want, before)
+
+
+def _changed_slots(got: torch.Tensor, other: torch.Tensor) -> list[tuple[int, int]]:
+    """The (sequence, slot) pairs where two [B, S, Hkv, D] caches differ."""
+    return sorted({(b, s) for b, s, *_ in torch.nonzero(got != other).tolist()})
+
+
+def _assert_changed_in_place(call: str, name: str, cache: torch.Tensor, before: torch.Tensor,
+                             returned) -> None:
+    """A cache left exactly as it was was written somewhere else (a copy), or not at all."""
+    returned_note = "" if returned is None else " (it returned something: the caller ignores it)"
+    assert _changed_slots(cache, before), (
+        f"{call} left {name} exactly as it was{returned_note}: did you write it at all? Write "
+        f"into the tensor you are given, in place (`{name} = ...` only rebinds your local "
+        f"name, `{name}[...] = ...` changes the caller's tensor)")
+
+
+def _assert_slots(call: str, name: str, got: torch.Tensor, want: torch.Tensor,
+                  before: torch.Tensor) -> None:
+    """Name the slots that should have changed and did not, and those that changed and should
+    not have: the two halves of a wrong slot index."""
+    to_write = set(_changed_slots(want, before))
+    wrong = _changed_slots(got, want)
+    missed = [slot for slot in wrong if slot in to_write]  # should hold a new token, does not
+    stray = [slot for slot in wrong if slot not in to_write]  # should be untouched, is not
+    problems = [f"{what} at (sequence, slot) {slots}" for what, slots in (
+        ("lacks its new token", missed),
+        ("was overwritten where it should keep its old value", stray)) if slots]
+    assert not problems, (f"{call}: {name} " + "; and ".join(problems)
+                          + ": cache_k[b, positions[b, t]] must become k_new[b, t]")
 
 
 def check_write_kv_writes_each_token_at_its_slot(mod) -> None:
@@ -144,10 +172,14 @@ def check_write_kv_leaves_every_other_slot_untouched(mod) -> None:
 
 
 def check_write_kv_writes_in_place(mod) -> None:
+    # In place means the caller's tensors change. WHERE they change is the other checks' business:
+    # a write at the wrong slots fails those, with the slots named, not this one.
     cache_k, cache_v, k_new, v_new = _cache_and_new(1, seed=1)
-    mod.write_kv(cache_k, cache_v, k_new, v_new, torch.tensor([[2], [2]]))
-    assert torch.equal(cache_k[0, 2], k_new[0, 0]) and torch.equal(cache_v[1, 2], v_new[1, 0]), (
-        "write_kv must change the cache tensors it is given (in place), not return new ones")
+    before = {"cache_k": cache_k.clone(), "cache_v": cache_v.clone()}
+    returned = mod.write_kv(cache_k, cache_v, k_new, v_new, torch.tensor([[2], [2]]))
+    for name, cache in (("cache_k", cache_k), ("cache_v", cache_v)):
+        _assert_changed_in_place("write_kv(..., positions=[[2], [2]])", name, cache, before[name],
+                                 returned)
 
 
 # ---- capacity ------------------------------------------------------------------------------------

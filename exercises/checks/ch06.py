@@ -13,6 +13,9 @@ from __future__ import annotations
 import random
 from collections import OrderedDict, deque
 
+import numpy as np
+import torch
+
 from engine.kv.block_manager import BlockManager
 from engine.kv.prefix_cache import PUBLIC_SCOPE, block_hash, block_hashes, cache_key
 from exercises.checks import raises
@@ -52,6 +55,29 @@ def check_block_hash_matches_the_engine(mod) -> None:
     assert mod.block_hash(None, [1, 2], KEY) != mod.block_hash("0" * 64, [1, 2], KEY)
 
 
+def check_block_hash_takes_any_integer_ids(mod) -> None:
+    """Token ids do not always arrive as Python ints: a tokenizer may hand over numpy int64s, the
+    engine keeps torch tensors. The same ids must give the same hash, whatever holds them."""
+    ids = [5, 17, 2, 900]
+    want = mod.block_hash(None, ids, KEY)
+    for what, same in (("a tuple", tuple(ids)), ("numpy int64s", np.array(ids, dtype=np.int64)),
+                       ("a list of numpy ints", [np.int64(t) for t in ids]),
+                       ("a torch tensor", torch.tensor(ids))):
+        try:
+            got = mod.block_hash(None, same, KEY)
+        except Exception as err:  # noqa: BLE001 - say which input broke it, and how
+            raise AssertionError(
+                f"block_hash(None, {ids} as {what}, key) raised {type(err).__name__}: {err} "
+                "(a numpy or torch integer is not a Python int: pack int(t), or let struct take "
+                "any integer)") from err
+        assert got == want, (
+            f"block_hash(None, {ids} as {what}, key) = {got!r}, but {want!r} for the same ids as "
+            "a list of ints: the hash must depend on the ids, not on what holds them")
+    ids = _ids(10, SEED)
+    assert mod.block_hashes(torch.tensor(ids), BS, KEY) == mod.block_hashes(ids, BS, KEY), (
+        "block_hashes of 10 ids given as a torch tensor differ from the same ids as a list")
+
+
 def check_block_hashes_chain_and_skip_the_partial_block(mod) -> None:
     ids = _ids(10, SEED)  # BS 4: blocks [0:4], [4:8] are full; [8:10] is partial and gets no hash
     got = mod.block_hashes(ids, BS, KEY)
@@ -89,6 +115,16 @@ def check_find_cached_prefix_stops_at_the_first_miss(mod) -> None:
     got = mod.find_cached_prefix(ids, ("another model", "v1", "tenant:acme"), len(ids) - 1, BS,
                                  cached)
     assert got == [], f"another key: nothing may be found, got {got!r}"
+
+
+def check_find_cached_prefix_finds_physical_block_0(mod) -> None:
+    # The pool's first block is block 0, and it is as good a block as any: not a miss.
+    ids = _ids(10, SEED + 10)  # 2 full blocks
+    h = block_hashes(ids, BS, KEY)
+    got = mod.find_cached_prefix(ids, KEY, len(ids) - 1, BS, {h[0]: 0, h[1]: 5})
+    assert got == [0, 5], (
+        f"block 0 holds the prompt's first block and block 5 its second: expected [0, 5], got "
+        f"{got!r} (is block 0 taken for a miss?)")
 
 
 def check_find_cached_prefix_respects_max_tokens(mod) -> None:
@@ -179,6 +215,15 @@ def check_plan_prefill_shares_the_longest_cached_prefix(mod) -> None:
     # block 1 missing: block 2 is of no use
     got = mod.plan_prefill(ids, BS, KEY, {h[0]: 4, h[2]: 6})
     assert got == ([4], 4), f"blocks 0 and 2 cached, block 1 not: expected ([4], 4), got {got}"
+
+
+def check_plan_prefill_shares_physical_block_0(mod) -> None:
+    ids = _ids(10, SEED + 11)  # 2 full blocks + 2 tokens
+    h = block_hashes(ids, BS, KEY)
+    got = mod.plan_prefill(ids, BS, KEY, {h[0]: 0, h[1]: 3})
+    assert got == ([0, 3], 8), (
+        f"blocks 0 and 3 hold the prompt's two full blocks: expected ([0, 3], 8), got {got!r} "
+        "(physical block 0 is a block like any other, not a miss)")
 
 
 def _zoo_cache(blocks_and_prompts):

@@ -24,6 +24,11 @@ from kernels.quant_matmul.triton import gemv_bytes_per_output
 SEED = 7
 ATOL = 1e-5  # fp32 rounding of a few hundred products
 TIE_FRACTION = 1e-3  # codes may differ from the engine's only where w/s + z lands on a .5 tie
+BF16_ULPS = 1.0  # fp32 math, then one rounding to bf16: within half a bf16 step of the exact value
+# a budget this much (relative) under a granularity's error must reject it: far above fp32's
+# summation noise (~1e-7), far below the gap between int8 granularities (~20%)
+JUST_UNDER = 1e-3
+JUST_OVER = 1e-6  # and this much over must accept it, however the student sums the squares
 
 
 def _weight(n: int = 32, k: int = 256, outliers: int = 3) -> torch.Tensor:
@@ -72,6 +77,16 @@ def check_int4_grid_matches_the_engine(mod) -> None:
         "but quantizing divides by it)")
 
 
+def check_int4_grid_rounds_a_tied_zero_point_to_even(mod) -> None:
+    # lo = -1.25, hi = 6.25: scale = 7.5 / 15 = 0.5 exactly, -lo / scale = 2.5 exactly, a tie.
+    # torch.round (and the engine) round half to even: zero = 2; round half up would give 3.
+    _scale, zero = mod.int4_scale_and_zero(torch.tensor([-1.25]), torch.tensor([6.25]))
+    assert zero.tolist() == [2.0], (
+        f"int4_scale_and_zero(-1.25, 6.25): zero point {zero.tolist()}, expected [2.0]: "
+        "-lo / scale is exactly 2.5, and an exact tie rounds to even (torch.round, the engine), "
+        "not up")
+
+
 # ---- the quantizer -------------------------------------------------------------------------------
 
 
@@ -109,6 +124,31 @@ def check_quantize_int4_round_trip_error_is_at_most_half_a_step(mod) -> None:
     excess = ((dequantize(qw) - w).abs() - step / 2).max().item()
     assert excess <= ATOL, (
         f"quantize_int4: a weight came back {excess:.3g} further than half a step from itself")
+
+
+def check_quantize_int4_rounds_exact_ties_to_even(mod) -> None:
+    # One group of 8: min -3.0, max 4.5 -> scale 0.5, zero 6, all exact in binary. The middle
+    # weights land exactly on ties: w / s + z = 6.5, 8.5, 4.5, 11.5, 1.5 -> 6, 8, 4, 12, 2
+    # (to even).
+    w = torch.tensor([[-3.0, 4.5, 0.25, 1.25, -0.75, 0.0, 2.75, -2.25]])
+    codes = unpack_int4(mod.quantize_int4(w, 8).qweight).tolist()[0]
+    want = [0, 15, 6, 8, 4, 6, 12, 2]
+    assert codes == want, (
+        f"quantize_int4({w.tolist()[0]}, 8): codes {codes}, expected {want}: w / s + z = 6.5, 8.5, "
+        "4.5, 11.5, 1.5 are exact ties, and a tie rounds to even (torch.round, the engine); "
+        "rounding half up would push every tie the same way")
+
+
+def check_quantize_int4_of_a_bf16_weight_matches_the_engine(mod) -> None:
+    w = _weight().to(torch.bfloat16)  # a bf16 checkpoint's weight
+    got, want = mod.quantize_int4(w, 64), quantize(w, 4, 64)
+    what = "quantize_int4(bf16 w [32, 256], group_size=64)"
+    assert got.scales.dtype == torch.float32 and got.zeros.dtype == torch.float32, (
+        f"{what}: scales {got.scales.dtype}, zeros {got.zeros.dtype}; both must be float32 (the "
+        "format's contract): compute the grid in fp32, bf16 has only 8 bits of mantissa")
+    _close(got.scales, want.scales, f"{what} scales", atol=1e-7)
+    differ = (unpack_int4(got.qweight) != unpack_int4(want.qweight)).float().mean().item()
+    assert differ <= TIE_FRACTION, f"{what}: {differ:.1%} of the codes differ from the engine's"
 
 
 def check_quantize_int4_rejects_a_group_size_that_does_not_divide_k(mod) -> None:
@@ -150,6 +190,25 @@ def check_dequant_gemv_returns_the_activations_dtype(mod) -> None:
         f"quant_matmul_ref(bf16 x): returned {y.dtype}, expected x's dtype")
 
 
+def check_dequant_gemv_computes_in_fp32_for_bf16_activations(mod) -> None:
+    # bf16 x is exact in fp32; the weights (q - z) * s are not exact in bf16. Multiplying in fp32
+    # and rounding the result once to bf16 lands within half a bf16 step of the exact answer;
+    # multiplying bf16 by bf16 weights is off by many steps.
+    g = torch.Generator().manual_seed(SEED + 2)
+    for bits, group_size in ((4, 64), (8, None)):
+        qw = quantize(_weight(), bits, group_size)
+        x = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+        exact = x.float() @ dequantize(qw).T  # [4, N]
+        got = mod.quant_matmul_ref(x, qw)
+        assert isinstance(got, torch.Tensor) and got.shape == exact.shape, (
+            "quant_matmul_ref(bf16 x [4, 256]): expected a [4, 32] tensor")
+        step = torch.finfo(torch.bfloat16).eps * exact.abs()  # one bf16 step at each output
+        steps = ((got.float() - exact).abs() / step).max().item()
+        assert steps <= BF16_ULPS, (
+            f"quant_matmul_ref(bf16 x, int{bits}): {steps:.1f} bf16 steps from x.float() @ W^T; "
+            "compute in fp32 (x.float(), fp32 weights) and round to x's dtype once, at the end")
+
+
 # ---- granularity from an error budget ------------------------------------------------------------
 
 
@@ -174,6 +233,32 @@ def check_pick_granularity_returns_the_coarsest_that_meets_the_budget(mod) -> No
             f"{want!r} meets it (errors: { {k: round(v, 4) for k, v in errors.items()} })")
     assert mod.pick_granularity(w, 8, 1.0) == "per-tensor", (
         "a budget of 100% error: the coarsest will do")
+
+
+def check_pick_granularity_meets_a_tight_int8_budget(mod) -> None:
+    # int8's errors are small (0.7% to 5% here) and close together: a budget a hair over one
+    # granularity's error accepts it, a hair under rejects it for the next finer one. Slack on the
+    # comparison, rounded errors, errors measured in bf16 or int4 grids tried for int8 all pick
+    # wrongly.
+    w = _weight()
+    errors = _errors(w, 8)
+    order = list(errors)  # coarse to fine: per-tensor, per-channel, 128, 64, 32
+    shown = {k: round(v, 5) for k, v in errors.items()}
+    for i, want in enumerate(order):
+        over = errors[want] * (1 + JUST_OVER)
+        got = mod.pick_granularity(w, 8, over)
+        assert got == want, (f"pick_granularity(int8, max_error={over:.6f}) returned {got!r}; "
+                             f"{want!r} meets it (int8 errors: {shown})")
+        under = errors[want] * (1 - JUST_UNDER)
+        if i + 1 < len(order):
+            got = mod.pick_granularity(w, 8, under)
+            assert got == order[i + 1], (
+                f"pick_granularity(int8, max_error={under:.6f}) returned {got!r}; {want!r} misses "
+                f"it by {JUST_UNDER:.1%}, {order[i + 1]!r} is the coarsest that meets it "
+                f"(int8 errors: {shown}); compare the exact fp32 error with the budget, no slack")
+        else:
+            raises_naming("max_error", lambda b=under: mod.pick_granularity(w, 8, b),
+                          f"pick_granularity(int8, max_error={under:.6f}, below every error)")
 
 
 def check_pick_granularity_skips_group_sizes_that_do_not_divide_k(mod) -> None:

@@ -12,6 +12,7 @@ stage_memory_plans, feasible_layouts) and numbers worked by hand.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +30,19 @@ from exercises.checks import raises_naming
 
 SEED = 8
 ATOL = 1e-5  # fp32: the row split adds the same products in another order
+# bf16 keeps 8 significant bits, so one rounding is off by up to 2^-8 of the value; a row split
+# rounds each of its W partial sums and the bias addition: allow (W + 1) roundings of the largest
+# output
+BF16_REL_TOL = 2.0**-8
 REL_TOL = 1e-9  # byte counts and fractions: exact but for float rounding
 # (n, W): sizes
 UNEVEN_SIZES = {(10, 4): [3, 3, 2, 2], (7, 3): [3, 2, 2], (6, 4): [2, 2, 1, 1], (8, 2): [4, 4]}
 ANY_BANDWIDTH = 1e12  # the fit of a layout does not depend on the device's speed
 LLAMA3_70B, LLAMA3_8B, SMOLLM2 = (MODEL_PRESETS[n]
                                   for n in ("Llama-3-70B", "Llama-3-8B", "SmolLM2-135M"))
+# Llama-2-7B with one added pad token, a common fine-tune: 32,001 rows do not split evenly over 2
+LLAMA2_7B_PADDED = replace(MODEL_PRESETS["Llama-2-7B"], name="Llama-2-7B + pad token",
+                           vocab_size=32_001)
 
 
 def _random(*shape: int, seed: int = SEED) -> torch.Tensor:
@@ -170,6 +178,26 @@ def check_row_parallel_linear_adds_the_bias_once(mod) -> None:
            "(4.0 means every rank added the bias: add it once, after the all-reduce)")
 
 
+def check_tensor_parallel_linear_keeps_bf16(mod) -> None:
+    """A bf16 model runs its layers in bf16: the split layer must hand back what F.linear does, a
+    bf16 tensor, equal to the exact product up to bf16 rounding (not an fp32 tensor, which the next
+    layer would have to cast back, or which doubles the bytes an all-reduce sends)."""
+    for kind in ("column", "row"):
+        for world in (2, 3, 4):
+            x = _random(2, 3, 64, seed=SEED + 3).bfloat16()  # [B, T, in]
+            weight = _random(24, 64, seed=SEED + 4).bfloat16()
+            bias = _random(24, seed=SEED + 5).bfloat16()
+            what = f"tensor_parallel_linear(x, weight, bias all bf16, world={world}, kind={kind!r})"
+            got = mod.tensor_parallel_linear(x, weight, bias, world, kind)
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16, (
+                f"{what} returned {getattr(got, 'dtype', type(got).__name__)}, F.linear gives "
+                "torch.bfloat16: compute each rank's part in the inputs' dtype (a buffer from "
+                "torch.zeros is fp32 and turns the sum into fp32)")
+            exact = F.linear(x.float(), weight.float(), bias.float())  # the product, unrounded
+            _close(got, exact, f"{what}, against the exact product",
+                   atol=(world + 1) * BF16_REL_TOL * exact.abs().max().item())
+
+
 def check_tensor_parallel_linear_refuses_an_unknown_kind(mod) -> None:
     weight, x = _random(4, 6), _random(2, 6)
     raises_naming("kind", lambda: mod.tensor_parallel_linear(x, weight, None, 2, "diagonal"),
@@ -240,6 +268,16 @@ def check_pipeline_bubble_matches_the_engine_timeline(mod) -> None:
 def check_pipeline_bubble_refuses_zero_stages_or_micro_batches(mod) -> None:
     raises_naming("num_stages", lambda: mod.pipeline_bubble(0, 4), "pipeline_bubble(0, 4)")
     raises_naming("num_micro_batches", lambda: mod.pipeline_bubble(2, 0), "pipeline_bubble(2, 0)")
+
+
+def check_pipeline_bubble_refuses_sizes_that_are_not_positive_ints(mod) -> None:
+    # A size read from a config file or a CLI flag arrives as 2.0 or "2"; True is an int to Python
+    # but is no number of stages. Each must be refused by name, not turned into a fraction.
+    for bad in (-1, 2.0, 1.5, True, "2", None):
+        raises_naming("num_stages", lambda b=bad: mod.pipeline_bubble(b, 4),
+                      f"pipeline_bubble(num_stages={bad!r}, num_micro_batches=4)")
+        raises_naming("num_micro_batches", lambda b=bad: mod.pipeline_bubble(2, b),
+                      f"pipeline_bubble(num_stages=2, num_micro_batches={bad!r})")
 
 
 # ---- picking a layout ----------------------------------------------------------------------------
@@ -316,6 +354,34 @@ def check_pick_layout_counts_a_device_filled_exactly_as_fitting(mod) -> None:
     _expect(mod, (2, 4), LLAMA3_70B, memory, 8, 8192,
             "the KV budget left at TP = 2 is exactly one sequence")
     _expect(mod, (4, 2), LLAMA3_70B, memory - 1, 8, 8192, "one byte less and TP = 2 no longer fits")
+
+
+def check_pick_layout_fits_an_int8_layout_to_the_byte(mod) -> None:
+    """Weights and KV both in int8 (1 byte a number) on a card sized to the byte, found with the
+    engine's own memory plan: the smallest memory at which TP = 2 holds one 65,536-token sequence of
+    Llama-2-7B with a 32,001-row vocabulary (each GPU holds ceil(32,001 / 2) = 16,001 rows)."""
+    def plan(memory: int):
+        device = Device("test", memory, ANY_BANDWIDTH, ANY_BANDWIDTH)
+        return stage_memory_plans(LLAMA2_7B_PADDED, device, 2, 1, "int8", "int8")[0]
+
+    need = 65_536 * plan(80 * GB).kv_bytes_per_token
+    # just short of it, then byte by byte
+    memory = round((plan(80 * GB).weight_bytes + need) / (1 - 0.10)) - 20
+    while plan(memory).kv_budget_bytes < need:
+        memory += 1
+    assert _engine_pick(LLAMA2_7B_PADDED, memory, 8, 65_536, "int8") == (2, 4), "the engine agrees"
+    _expect(mod, (2, 4), LLAMA2_7B_PADDED, memory, 8, 65_536,
+            "TP = 2 holds the int8 weights (16,001 vocabulary rows a GPU) and one sequence of "
+            "int8 KV, to the byte", "int8")
+    _expect(mod, (4, 2), LLAMA2_7B_PADDED, memory - 1, 8, 65_536,
+            "one byte less and TP = 2 no longer fits", "int8")
+
+
+def check_pick_layout_refuses_zero_devices(mod) -> None:
+    for n in (0, -2):
+        raises_naming("num_devices", lambda k=n: mod.pick_layout(SMOLLM2, 80 * GB, k, 8192, "bf16"),
+                      f"pick_layout(SmolLM2-135M, 80 GB, num_devices={n}) (no GPU, no layout: a "
+                      "layout with 0 replicas serves nobody)")
 
 
 def check_pick_layout_says_when_nothing_fits(mod) -> None:
