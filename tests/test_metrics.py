@@ -20,6 +20,8 @@ from engine.companions.metrics import (
     SLO,
     Distribution,
     RequestTiming,
+    bucket_table,
+    by_output_length,
     by_prompt_length,
     by_tenant,
     goodput,
@@ -220,3 +222,34 @@ def test_requests_are_bucketed_by_prompt_length_with_every_bucket_listed(trace):
 def test_requests_are_bucketed_by_tenant_in_arrival_order(trace):
     buckets = by_tenant(requests_from_trace(trace))
     assert {k: [r.request_id for r in v] for k, v in buckets.items()} == {"free": ["a", "c"], "paid": ["b"]}
+
+
+def test_requests_are_bucketed_by_output_length_with_every_bucket_listed(trace):
+    buckets = by_output_length(requests_from_trace(trace), edges=(2, 8))
+    # a and b generated 3 tokens each, c one
+    assert {k: [r.request_id for r in v] for k, v in buckets.items()} == {
+        "[0, 2)": ["c"], "[2, 8)": ["a", "b"], "[8, inf)": []}
+
+
+def _table_rows(table):
+    """{bucket: [cell, ...]} of a bucket_table, the "/" separators dropped."""
+    return {line.split()[0]: line.replace("/", " ").split()[1:] for line in table.splitlines()[1:]}
+
+
+def test_the_bucket_table_prints_each_buckets_nearest_rank_percentiles_in_ms(trace):
+    buckets = {**by_tenant(requests_from_trace(trace)), "nobody": []}
+    table = bucket_table(buckets, metrics=("ttft_s", "e2e_s"))
+    assert "TTFT P50/P95/P99 ms" in table.splitlines()[0] and "E2E P50/P95/P99 ms" in table.splitlines()[0]
+    rows = _table_rows(table)
+    # free: a (TTFT 1.0 s, E2E 3.0 s) and c (TTFT 1.5 s, E2E 1.5 s); paid: b (TTFT 1.5 s, E2E 3.5 s)
+    assert rows["free"] == ["2", "1000", "1500", "1500", "1500", "3000", "3000"]
+    assert rows["paid"] == ["1", "1500", "1500", "1500", "3500", "3500", "3500"]
+    assert rows["nobody"] == ["0"] + ["-"] * 6, "an empty bucket has no percentiles, only dashes"
+
+
+def test_the_bucket_table_counts_itl_per_gap_and_refuses_unknown_metrics(trace):
+    rows = _table_rows(bucket_table(by_tenant(requests_from_trace(trace)), metrics=("itl_s",),
+                                    percentiles=(50,)))
+    assert rows["free"] == ["2", "1000"] and rows["paid"] == ["1", "1000"]  # a's two 1 s gaps; c has none
+    with pytest.raises(ValueError, match="bucket_table: metrics \\['ttft'\\]"):
+        bucket_table({}, metrics=("ttft",))

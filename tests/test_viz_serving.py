@@ -5,6 +5,7 @@ import math
 
 import matplotlib.colors as mcolors
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from engine.companions.metrics import SLO, RequestTiming, by_prompt_length, mean, nearest_rank
 from engine.viz.serving import (
@@ -76,10 +77,11 @@ def test_bad_timeline_input_names_the_field(requests, annotate, field):
         render_request_timeline(requests, annotate=annotate)
 
 
-def test_the_percentile_plot_marks_nearest_rank_p50_p99_and_the_mean():
+def test_the_percentile_plot_marks_nearest_rank_p50_p95_p99_and_the_mean():
     values = [0.1] * 90 + [0.5] * 9 + [2.0]  # seconds: a long tail of one
     fig = render_percentiles({"TTFT": values, "TPOT": [0.05, 0.06, math.nan]})
     assert _gid(fig, "p50:TTFT").get_ydata()[0] == pytest.approx(100.0)
+    assert _gid(fig, "p95:TTFT").get_ydata()[0] == pytest.approx(500.0)  # the 95th of 100 values
     assert _gid(fig, "p99:TTFT").get_ydata()[0] == pytest.approx(1e3 * nearest_rank(values, 99)) == 500.0
     assert _gid(fig, "mean:TTFT").get_ydata()[0] == pytest.approx(1e3 * mean(values))
     assert list(_gid(fig, "sorted:TPOT").get_ydata()) == pytest.approx([50.0, 60.0])  # nan left out
@@ -99,6 +101,7 @@ def test_bucket_bars_are_the_nearest_rank_percentiles_of_each_bucket():
               "mixed": {k: [r.ttft_s for r in v] for k, v in by_prompt_length(short + long, (64, 256)).items()}}
     fig = render_buckets(groups)
     assert _gid(fig, "p50:alone:[0, 64)").get_height() == pytest.approx(300.0)
+    assert _gid(fig, "p95:mixed:[0, 64)").get_height() == pytest.approx(500.0)  # 5 values: P95 is the max
     assert _gid(fig, "p99:mixed:[256, inf)").get_height() == pytest.approx(3000.0)
     gids = {a.get_gid() for a in _artists(fig)}
     assert "p50:alone:[256, inf)" not in gids, "an empty bucket gets no bar"
@@ -116,6 +119,13 @@ def test_arrival_windows_count_every_arrival_once():
                                      ({"a": [0.0]}, 0.0, "window_s")):
         with pytest.raises(ValueError, match=f"render_arrivals: {field}"):
             render_arrivals(processes, window_s=window)
+
+
+def test_buckets_of_any_kind_are_named_on_the_axis():
+    fig = render_buckets({"TTFT": {"chat": [0.1, 0.2], "batch": [0.4]}}, bucket_kind="tenant")
+    assert [ax.get_xlabel() for ax in fig.axes] == ["tenant"] * 3
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["chat", "batch"]
+    assert "P95 TTFT per tenant bucket" in [ax.get_title() for ax in fig.axes]
 
 
 def _row(rate, served, good, ttft99=100.0):
@@ -188,3 +198,35 @@ def test_overload_rows_without_a_field_are_refused_by_name():
         render_overload([{**OVERLOAD[0], "p99_ttft_s": None}])
     with pytest.raises(ValueError, match="rows is empty"):
         render_overload([])
+
+
+def test_the_capacity_curve_draws_p95_when_the_sweep_has_it_and_ttft_always_on_a_log_axis():
+    # TTFT from 50 to 100 ms, the SLO at 1000 ms: a span of 20 x, which alone would stay linear
+    rows = [{**r, "p95_ttft_ms": 90.0, "p99_ttft_ms": 100.0, "p95_tpot_ms": 25.0} for r in SWEEP]
+    fig = render_capacity_curve(rows, SLO(ttft_s=1.0, tpot_s=0.1))
+    assert list(_gid(fig, "ttft_p95").get_ydata()) == [90.0] * 4
+    assert fig.axes[1].get_yscale() == "log", "a queue multiplies TTFT: log even when the sweep spans little"
+    assert fig.axes[2].get_yscale() == "linear", "TPOT within 20 x of its limit stays linear"
+    gids = {a.get_gid() for a in _artists(render_capacity_curve(SWEEP, SLO(ttft_s=1.0, tpot_s=0.1)))}
+    assert "ttft_p95" not in gids and "ttft_p99" in gids, "rows without P95: no P95 line is invented"
+
+
+def test_throughput_stays_visible_where_goodput_equals_it():
+    fig = render_capacity_curve(SWEEP, SLO(ttft_s=1.0, tpot_s=0.1))
+    tp, gp = _gid(fig, "throughput"), _gid(fig, "goodput")
+    lines = fig.axes[0].get_lines()
+    assert lines.index(tp) < lines.index(gp), "throughput underneath"
+    assert tp.get_linewidth() > 2 * gp.get_linewidth(), "and wider, so it shows around goodput"
+
+
+def test_goodput_path_labels_stay_inside_the_axes_and_apart():
+    # the last two rates serve the same: their points coincide past the knee
+    rows = [_row(1.0, 1.0, 1.0), _row(2.0, 1.9, 1.8), _row(4.0, 2.9, 0.5), _row(math.inf, 2.9, 0.5)]
+    fig = render_goodput_vs_throughput(rows)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    ax_box = fig.axes[0].get_window_extent(renderer)
+    boxes = {r: _gid(fig, f"label:{r}").get_window_extent(renderer) for r in ("1", "2", "4", "inf")}
+    for rate, box in boxes.items():
+        assert ax_box.x0 <= box.x0 and box.x1 <= ax_box.x1, f"the {rate} req/s label leaves the axes"
+    assert not boxes["4"].overlaps(boxes["inf"]), "two labels at one point overprint each other"

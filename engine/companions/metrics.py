@@ -48,7 +48,7 @@ value per request (each user counts once). A stall shows in ITL's P99 and max, n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +57,11 @@ if TYPE_CHECKING:  # metrics reads traces; the trace module never needs us
 
 PERCENTILES = (50, 95, 99)  # the typical user, and the unlucky 1 in 20 and 1 in 100
 PROMPT_LENGTH_EDGES = (64, 256, 1024)  # short chat turns / paragraphs / documents / long documents
+OUTPUT_LENGTH_EDGES = (32, 128, 512)  # a short answer / a paragraph / a page / a long generation
+
+# the short names of the per-request latencies a bucket table can show
+BUCKET_METRIC_NAMES = {"queue_s": "queue", "ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL",
+                       "e2e_s": "E2E"}
 
 # Prometheus names vLLM uses for the same per-request quantities (chapter 09's /metrics endpoint).
 VLLM_NAMES = {
@@ -457,10 +462,55 @@ def by_prompt_length(requests: Iterable[RequestTiming],
     return {label: grouped.get(label, []) for label in labels}
 
 
+def by_output_length(requests: Iterable[RequestTiming],
+                     edges: Sequence[int] = OUTPUT_LENGTH_EDGES) -> dict[str, list[RequestTiming]]:
+    """Requests grouped by how many tokens they generated, every bucket present (short to long).
+
+    Why: E2E is about TTFT + (n - 1) x TPOT, so it grows with the answer's length n. A week of
+    longer answers raises the E2E P99 with no change in the server; per output-length bucket, we
+    see which it was (the labels are those of `prompt_length_label`)."""
+    requests = list(requests)
+    labels = [prompt_length_label(n, edges) for n in (0, *edges)]
+    grouped = bucket_by(requests, lambda r: prompt_length_label(r.output_tokens, edges))
+    return {label: grouped.get(label, []) for label in labels}
+
+
 def by_tenant(requests: Iterable[RequestTiming]) -> dict[str | None, list[RequestTiming]]:
     """Requests grouped by tenant (None: requests that gave no tenant),
     in order of first arrival."""
     return bucket_by(requests, lambda r: r.tenant)
+
+
+BUCKET_TABLE_METRICS = ("ttft_s", "tpot_s", "e2e_s")  # the per-request latencies of a table row
+
+
+def bucket_table(buckets: Mapping, metrics: Sequence[str] = BUCKET_TABLE_METRICS,
+                 percentiles: Sequence[float] = PERCENTILES) -> str:
+    """A plain-text table: one row per bucket ({label: [RequestTiming, ...]}, e.g. from
+    `by_output_length` or `by_tenant`), the number of requests and, per metric, its nearest-rank
+    percentiles in ms. An empty bucket (or a metric no request of it has) shows "-"::
+
+        bucket           n  TTFT P50/P95/P99 ms   TPOT P50/P95/P99 ms ...
+        [0, 32)         12      14 /    31 /    40       4 /     6 /     7 ...
+    """
+    unknown = [m for m in metrics if m not in BUCKET_METRIC_NAMES]
+    if unknown:
+        raise ValueError(f"bucket_table: metrics {unknown} unknown; choose from "
+                         f"{sorted(BUCKET_METRIC_NAMES)}")
+    width = max([6] + [len(str(label)) for label in buckets]) + 2
+    qs = "/".join(f"P{q:g}" for q in percentiles)
+    header = f"{'bucket':<{width}}{'n':>4}" + "".join(
+        f"  {BUCKET_METRIC_NAMES[m] + ' ' + qs + ' ms':>{8 * len(percentiles) - 2}}"
+        for m in metrics)
+    lines = [header]
+    for label, rs in buckets.items():
+        row = f"{str(label):<{width}}{len(rs):>4}"
+        for m in metrics:
+            values = [v for r in rs for v in (getattr(r, m) if m == "itl_s" else [getattr(r, m)])]
+            cells = [nearest_rank(values, q) * 1e3 for q in percentiles]
+            row += "  " + " /".join("     -" if math.isnan(c) else f"{c:6.0f}" for c in cells)
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def summarize_buckets(buckets: dict, duration_s: float, slo: SLO | None = None) -> dict:

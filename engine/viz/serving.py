@@ -60,12 +60,16 @@ KNEE_FRACTION = 0.9
 LOG_SCALE_RATIO = 20
 # an infinite rate is drawn at this multiple of the highest finite rate (labelled "inf")
 INF_POSITION = 2.0
+LABEL_FLIP = 0.75  # a point label past this share of the axis is written to the left of its point
 ROW_HEIGHT = 0.6  # a timeline bar; rows are 1 apart
 ROW_INCHES = 0.42  # figure height per timeline row
 MAX_ROWS = 40  # a timeline of more requests stops being readable: we refuse and say so
 BRACKET_GAP = 0.32  # vertical distance between two stacked brackets, in row units
 COLORS = {"queued": "0.8", "first_token_wait": "tab:orange", "streaming": "lightsteelblue",
-          "tokens": "tab:blue", "mean": "tab:red", "p50": "tab:green", "p99": "tab:purple"}
+          "tokens": "tab:blue", "mean": "tab:red", "p50": "tab:green", "p95": "tab:orange",
+          "p99": "tab:purple"}
+QUANTILES = (50, 95, 99)  # the typical user, the unlucky 1 in 20, the unlucky 1 in 100
+QUANTILE_STYLES = {50: "o-", 95: "^-.", 99: "s--"}
 WORKLOAD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
@@ -204,10 +208,10 @@ def _finite(func: str, name: str, values: Sequence[float]) -> list[float]:
 
 def render_percentiles(samples: Mapping[str, Sequence[float]], title: str = "") -> Figure:
     """One panel per metric (e.g. {"TTFT": [...], "TPOT": [...]}, seconds): its values sorted from
-    best to worst against their percentile rank, with the mean, P50 and P99 (nearest rank) as lines
-    and the P99 / P50 ratio written in. A flat curve means everybody waited about as long; a hockey
-    stick means a typical user is fine and an unlucky few are not, which the mean alone never
-    says."""
+    best to worst against their percentile rank, with the mean, P50, P95 and P99 (nearest rank) as
+    lines and the P99 / P50 ratio written in. A flat curve means everybody waited about as long; a
+    hockey stick means a typical user is fine and an unlucky few are not, which the mean alone
+    never says."""
     func = "render_percentiles"
     if not samples:
         _fail(func, "samples", "is empty: give {metric name: [seconds, ...]}")
@@ -218,16 +222,17 @@ def render_percentiles(samples: Mapping[str, Sequence[float]], title: str = "") 
         ax.step(ranks, ms, where="post", color="0.25", gid=f"sorted:{name}",
                 label=f"{len(ms)} values, sorted")
         ax.plot(ranks, ms, ".", color="0.25", markersize=3)
-        p50, p99, avg = nearest_rank(ms, 50), nearest_rank(ms, 99), mean(ms)
+        p50, p95, p99, avg = (*(nearest_rank(ms, q) for q in QUANTILES), mean(ms))
         for key, y, label in (("mean", avg, f"mean {avg:.0f} ms"),
-                              ("p50", p50, f"P50 {p50:.0f} ms"), ("p99", p99, f"P99 {p99:.0f} ms")):
+                              ("p50", p50, f"P50 {p50:.0f} ms"), ("p95", p95, f"P95 {p95:.0f} ms"),
+                              ("p99", p99, f"P99 {p99:.0f} ms")):
             ax.axhline(y, color=COLORS[key], linestyle="--" if key == "mean" else "-",
                        linewidth=1.2, gid=f"{key}:{name}", label=label)
         ratio = p99 / p50 if p50 > 0 else math.inf
         ax.set(xlabel="percentile rank (% of values at or below)", ylabel=f"{name} (ms)",
                xlim=(0, 101))
         ax.set_ylim(bottom=0)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8,
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8,
                   frameon=False)
         ax.set_title(f"{name}: P99 / P50 = {ratio:.1f}x", fontsize=10)
     if title:
@@ -239,11 +244,11 @@ def render_percentiles(samples: Mapping[str, Sequence[float]], title: str = "") 
 
 
 def render_buckets(groups: Mapping[str, Mapping[str, Sequence[float]]], metric: str = "TTFT",
-                   title: str = "") -> Figure:
-    """P50 (left) and P99 (right) of `metric` per bucket, one bar per workload, e.g.
-    {"short prompts only": {"[0, 64)": [s, ...], ...}, "mixed with long ones": {...}} (seconds). The
-    buckets are drawn in the order of the first workload;
-    an empty bucket gets no bar, only "n=0"."""
+                   title: str = "", bucket_kind: str = "prompt length (tokens)") -> Figure:
+    """P50, P95 and P99 of `metric` per bucket (one panel each), one bar per workload, e.g.
+    {"short prompts only": {"[0, 64)": [s, ...], ...}, "mixed with long ones": {...}} (seconds).
+    `bucket_kind` names what the buckets split ("output length (tokens)", "tenant"). The buckets are
+    drawn in the order of the first workload; an empty bucket gets no bar, only "n=0"."""
     func = "render_buckets"
     if not groups:
         _fail(func, "groups", "is empty: give {workload: {bucket: [seconds, ...]}}")
@@ -251,8 +256,8 @@ def render_buckets(groups: Mapping[str, Mapping[str, Sequence[float]]], metric: 
     if not buckets:
         _fail(func, "groups", "has a workload with no buckets: give at least one bucket of values")
     width = 0.8 / len(groups)
-    fig, axes = _new_figure((max(10.0, 1.6 * len(buckets) * 2 + 2), 3.9), 1, 2)
-    for ax, q in zip(axes[0], (50, 99), strict=True):
+    fig, axes = _new_figure((max(13.0, 1.6 * len(buckets) * 3 + 2), 3.9), 1, len(QUANTILES))
+    for ax, q in zip(axes[0], QUANTILES, strict=True):
         for w, (workload, by_bucket) in enumerate(groups.items()):
             for b, bucket in enumerate(buckets):
                 values = [v * MS for v in by_bucket.get(bucket, []) if not math.isnan(v)]
@@ -261,13 +266,15 @@ def render_buckets(groups: Mapping[str, Mapping[str, Sequence[float]]], metric: 
                     h = nearest_rank(values, q)
                     ax.bar(x, h, width * 0.92, color=WORKLOAD_COLORS[w % len(WORKLOAD_COLORS)],
                            gid=f"p{q}:{workload}:{bucket}", label=workload if b == 0 else None)
-                    ax.text(x, h, f"{h:.0f}", ha="center", va="bottom", fontsize=7)
-                ax.text(x, 0, f"n={len(values)}", ha="center", va="bottom", fontsize=6.5,
-                        color="white" if values else "0.3", rotation=90)
+                    # the count above the value, not inside the bar: a short bar has no room
+                    ax.text(x, h, f"{h:.0f}\nn={len(values)}", ha="center", va="bottom",
+                            fontsize=7, linespacing=1.0)
+                else:
+                    ax.text(x, 0, "n=0", ha="center", va="bottom", fontsize=6.5, color="0.3")
         ax.set_xticks(range(len(buckets)), buckets)
-        ax.set(xlabel="prompt length (tokens)", ylabel=f"{metric} P{q} (ms)")
-        ax.set_title(f"P{q} {metric} per prompt-length bucket", fontsize=10)
-        ax.margins(y=0.15)
+        ax.set(xlabel=bucket_kind, ylabel=f"{metric} P{q} (ms)")
+        ax.set_title(f"P{q} {metric} per {bucket_kind.split(' (')[0]} bucket", fontsize=10)
+        ax.margins(y=0.22)
         ax.legend(fontsize=8, frameon=False, loc="upper left")
     if title:
         fig.suptitle(title, fontsize=11)
@@ -376,16 +383,23 @@ def _rate_axis(ax, x: list[float], labels: list[str]) -> None:
     ax.set_xlabel("offered request rate (req/s; inf = all at once)")
 
 
-def _latency_panel(ax, x, rows, metric: str, limit_s: float | None) -> None:
-    for q, style in ((50, "o-"), (99, "s--")):
-        ax.plot(x, [r[f"p{q}_{metric}_ms"] for r in rows], style, color=COLORS[f"p{q}"],
-                label=f"P{q}", gid=f"{metric}_p{q}")
+def _latency_panel(ax, x, rows, metric: str, limit_s: float | None,
+                   log: bool | None = None) -> None:
+    """P50, P95 (when every row has it) and P99 of `metric` against the rate, the SLO's limit as a
+    line. log None: a log axis when the values span more than LOG_SCALE_RATIO."""
+    qs = [q for q in QUANTILES if q != 95 or all(r.get(f"p95_{metric}_ms") is not None
+                                                 for r in rows)]
+    for q in qs:
+        ax.plot(x, [r[f"p{q}_{metric}_ms"] for r in rows], QUANTILE_STYLES[q],
+                color=COLORS[f"p{q}"], label=f"P{q}", gid=f"{metric}_p{q}")
     if limit_s is not None and math.isfinite(limit_s):
         ax.axhline(limit_s * MS, color="tab:red", linewidth=1.2, gid=f"slo:{metric}",
                    label=f"SLO {limit_s * MS:g} ms")
-    values = ([r[f"p{q}_{metric}_ms"] for r in rows for q in (50, 99)]
-              + ([limit_s * MS] if limit_s else []))
-    if min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO:
+    values = ([r[f"p{q}_{metric}_ms"] for r in rows for q in qs]
+              + ([limit_s * MS] if limit_s and math.isfinite(limit_s) else []))
+    if log is None:
+        log = min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO
+    if log and min(values) > 0:
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -394,30 +408,34 @@ def _latency_panel(ax, x, rows, metric: str, limit_s: float | None) -> None:
     else:
         ax.set_ylim(0, max(v for v in values if math.isfinite(v)) * 1.15)
         ax.set_ylabel(f"{metric.upper()} (ms)")
-    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    # below the panel, beside the left panel's: a legend inside would sit on the climbing lines
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
 
 
 def render_capacity_curve(rows: Sequence[Mapping], slo: SLO | None = None,
                           min_fraction: float = KNEE_FRACTION, title: str = "") -> Figure:
     """Left: request throughput and goodput against the offered rate (dotted: served = offered), the
-    knee (`capacity_knee`) as a vertical line. Middle and right: P50 and P99 TTFT and TPOT, with the
-    SLO's limits. rows: one `benchmark(...).result` per rate (percentiles (50, 99) and an SLO)."""
+    knee (`capacity_knee`) as a vertical line. Middle and right: P50, P95 (when the rows have it)
+    and P99 of TTFT (always a log axis) and TPOT, with the SLO's limits. rows: one
+    `benchmark(...).result` per rate (percentiles (50, 95, 99) or at least (50, 99), and an SLO)."""
     rows = _sweep("render_capacity_curve", rows)
     x, labels = _positions([r["request_rate"] for r in rows])
     knee = capacity_knee(rows, min_fraction)
     fig, axes = _new_figure((14.0, 4.6), 1, 3)
     ax, ax_ttft, ax_tpot = axes[0]
-    ax.plot(x, [r["request_throughput"] for r in rows], "o-", color="tab:blue",
-            label="throughput (served)", gid="throughput")
-    ax.plot(x, [r["request_goodput"] for r in rows], "s-", color="tab:green",
-            label="goodput (within SLO)", gid="goodput")
+    # throughput wide and pale underneath, goodput thin on top: where they agree, both still show
+    ax.plot(x, [r["request_throughput"] for r in rows], "o-", color="tab:blue", alpha=0.4,
+            linewidth=6, markersize=10, label="throughput (served)", gid="throughput")
+    ax.plot(x, [r["request_goodput"] for r in rows], "s-", color="tab:green", linewidth=1.5,
+            markersize=5, label="goodput (within SLO)", gid="goodput")
     finite = [xi for xi, r in zip(x, rows, strict=True) if math.isfinite(r["request_rate"])]
     if finite:
         ax.plot([min(finite), max(finite)], [min(finite), max(finite)], ":", color="0.5",
                 label="served = offered")
     ax.set_ylabel("requests / s")
     ax.set_ylim(0, 1.3 * max(r["request_throughput"] for r in rows))  # the diagonal leaves the plot
-    _latency_panel(ax_ttft, x, rows, "ttft", slo.ttft_s if slo else None)
+    # a queue multiplies TTFT by orders of magnitude: always a log axis, so both ends stay readable
+    _latency_panel(ax_ttft, x, rows, "ttft", slo.ttft_s if slo else None, log=True)
     _latency_panel(ax_tpot, x, rows, "tpot", slo.tpot_s if slo else None)
     for a, name in ((ax, "throughput and goodput"), (ax_ttft, "time to first token"),
                     (ax_tpot, "time per output token")):
@@ -450,9 +468,14 @@ def render_goodput_vs_throughput(rows: Sequence[Mapping], title: str = "") -> Fi
     ax.plot([0, top], [0, top], ":", color="0.5",
             label="goodput = throughput (every request within SLO)")
     ax.plot(tp, gp, "o-", color="tab:green", gid="path", label="measured, offered rate rising")
-    for xi, yi, label in zip(tp, gp, labels, strict=True):
-        ax.annotate(f"{label} req/s", (xi, yi), textcoords="offset points", xytext=(5, 5),
-                    fontsize=8)
+    for k, (xi, yi, label) in enumerate(zip(tp, gp, labels, strict=True)):
+        # near the right edge: written on the left; every other label below its point, so two
+        # neighbouring rates that land on the same spot past the knee do not overprint
+        right, below = xi > LABEL_FLIP * top, k % 2 == 1
+        ax.annotate(f"{label} req/s", (xi, yi), textcoords="offset points",
+                    xytext=(-6 if right else 6, -6 if below else 6),
+                    ha="right" if right else "left", va="top" if below else "bottom", fontsize=8,
+                    gid=f"label:{label}")
     ax.set(xlabel="throughput (requests served / s)", ylabel="goodput (requests within SLO / s)",
            xlim=(0, top), ylim=(0, top))
     ax.legend(fontsize=8, frameon=False, loc="upper left")
