@@ -367,7 +367,7 @@ BAD = {  # name -> (raw body, expected status, expected param)
     "wrong_type_max_tokens": ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     "wrong_type_stream": ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     "float_token_ids": ({"model": MODEL, "prompt": [5, 6.5]}, 400, "prompt"),
-    "token_id_outside_vocab": ({"model": MODEL, "prompt": [5, 10**6]}, 400, None),
+    "token_id_outside_vocab": ({"model": MODEL, "prompt": [5, 10**6]}, 400, "prompt"),
     "max_tokens_beyond_context": ({"model": MODEL, "prompt": "hi", "max_tokens": 10**5}, 400, "max_tokens"),
     "prompt_fills_context": ({"model": MODEL, "prompt": [5] * 600}, 400, "prompt"),
     "n_too_large": ({"model": MODEL, "prompt": "hi", "n": MAX_NUM_SEQS + 1}, 400, "n"),

@@ -103,6 +103,17 @@ SHOWN_INPUT_CHARS = 60  # an error message quotes at most this much of a bad val
 # that names no field, and no field of ours needs more than 20 (2**64 has 20 digits).
 MAX_JSON_DEPTH = 64
 MAX_NUMBER_DIGITS = 100
+# Fields of OpenAI's and vLLM's APIs that change the answer and that we do not implement yet ->
+# the one value that asks for nothing (sent as that, or null, they are accepted)
+UNSUPPORTED_FIELDS = {
+    "response_format": None, "tools": None, "tool_choice": None, "functions": None,
+    "function_call": None, "logit_bias": None, "top_logprobs": None, "prompt_logprobs": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "use_beam_search": False, "length_penalty": None,
+    "allowed_token_ids": None, "bad_words": None, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "truncate_prompt_tokens": None, "prediction": None,
+    "modalities": None, "audio": None,
+}
 STARTUP_WAIT_S = 30.0  # BackgroundServer: how long to wait for uvicorn to listen
 STARTUP_POLL_S = 0.01
 # BackgroundServer.stop: how long open streams may go on before they are cut
@@ -208,6 +219,26 @@ def _first_problem(data) -> tuple[str, str, str] | None:
                      else f"{path}[{key}]", depth + 1) for key, child in items]
         todo += reversed(children)  # depth first, in document order
     return None
+
+
+def _field_named(message: str, body: BaseModel) -> str | None:
+    """The request field an engine error names ("prompt[1] = ...", "queue_timeout_s=-1 ..."), so
+    that `param` says it too; None when it names none of the body's fields."""
+    fields = set(type(body).model_fields)
+    for match in re.finditer(r"\b([a-z_]+)(?:\[\d+\])?\s?=", message):
+        if match.group(1) in fields:
+            return match.group(1)
+    return None
+
+
+def _refuse_unsupported(data: dict) -> None:
+    """No silent no: a field of OpenAI's or vLLM's API that would change the answer and that we do
+    not implement is refused by name (other unknown fields are ignored, as vLLM does)."""
+    for name, ignored in UNSUPPORTED_FIELDS.items():
+        if data.get(name) is not None and data[name] != ignored:
+            raise bad_request(f"{name} is not supported by this server (it would change the answer "
+                              "and we do not implement it); leave it out", name,
+                              "unsupported_field")
 
 
 def _short(value) -> str:
@@ -381,6 +412,7 @@ class OpenAIServer:
                               None, "shutting_down", "server_error")
         self._key_tenant(request)  # an unknown key is refused before we read its body
         data = await self._read_json(request)
+        _refuse_unsupported(data)
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -489,7 +521,7 @@ class OpenAIServer:
             kind = "rate_limit_error" if e.status == 429 else "server_error"
             raise OpenAIError(e.status, e.message, None, e.reason, kind, e.retry_after_s) from None
         except (ValueError, TypeError) as e:  # the engine's checks: it kept nothing
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), _field_named(str(e), body)) from None
         reply = _Reply(public_id, int(time.time()), self.model_name, body, shape,
                        self.limits.retry_after_s)
         if body.stream:
