@@ -9,7 +9,7 @@ import torch
 
 from engine.companions.memory import kv_cache_bytes
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ModelConfig
-from engine.kv.kv_pool import PagedKVPool, default_kv_cache_memory_bytes, plan_num_blocks
+from engine.kv.kv_pool import PagedKVPool, default_kv_cache_memory_bytes, log_kv_cache, plan_num_blocks
 from engine.llm_engine import LLMEngine, engine_config
 from engine_fixtures import CONTEXT, random_model
 
@@ -121,11 +121,44 @@ def test_the_engine_logs_blocks_tokens_bytes_and_the_maximum_concurrency(caplog)
     assert f"Maximum concurrency for 90 tokens per request: {concurrency:.2f}x" in text
 
 
-def test_a_cache_smaller_than_one_full_request_is_a_warning(model, caplog):
+def _small_pool_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "engine" and "fewer than one request" in r.getMessage()]
+
+
+def test_a_default_sized_cache_smaller_than_one_full_request_is_a_warning(model, monkeypatch, caplog):
+    # the default budget, here set too small through the env var: a misconfiguration the user must see
+    block = block_bytes_by_hand(model.config, 16, 4)
+    monkeypatch.setenv("SERVELAB_KVCACHE_SPACE", str(3 * block / GIB))  # three blocks: 48 tokens
     with caplog.at_level(logging.INFO, logger="engine"):
-        LLMEngine(model, None, engine_config(num_blocks=5, block_size=4))
-    assert any(r.levelno == logging.WARNING and "fewer than one request" in r.getMessage()
-               for r in caplog.records)
+        LLMEngine(model, None, engine_config())
+    [record] = _small_pool_records(caplog)
+    assert record.levelno == logging.WARNING and "holds 48 tokens" in record.getMessage()
+    assert f"max_model_len={CONTEXT}" in record.getMessage() and "raise kv_cache_memory_bytes" in record.getMessage()
+
+
+@pytest.mark.parametrize("cache, says", [
+    (CacheConfig(num_blocks=5, block_size=4), "num_blocks=5"),
+    (CacheConfig(kv_cache_memory_bytes=10**4, block_size=4), "kv_cache_memory_bytes=10000"),
+    (None, None),
+    (CacheConfig(block_size=4), None),
+])
+def test_a_pool_sized_small_on_purpose_is_info_and_only_our_own_sizing_warns(cache, says, caplog):
+    pool = PagedKVPool(num_layers=1, num_blocks=5, block_size=4, num_kv_heads=1, head_dim=2)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        log_kv_cache(pool, max_model_len=64, cache=cache)
+    [record] = _small_pool_records(caplog)
+    assert "holds 20 tokens" in record.getMessage() and "max_model_len=64" in record.getMessage()
+    if says is None:
+        assert record.levelno == logging.WARNING
+    else:
+        assert record.levelno == logging.INFO and f"({says})" in record.getMessage()
+
+
+def test_a_pool_that_holds_one_full_request_says_nothing_about_it(caplog):
+    pool = PagedKVPool(num_layers=1, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=2)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        log_kv_cache(pool, max_model_len=64)  # 16 blocks x 4 = 64 tokens: exactly one request
+    assert _small_pool_records(caplog) == []
 
 
 @pytest.mark.parametrize("option, value, allowed", [

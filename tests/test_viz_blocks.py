@@ -1,21 +1,29 @@
 """Chapter 04's figures: the numbers behind them are right, and the pictures draw those numbers."""
 
 import types
+import warnings
 
 import matplotlib.colors as mcolors
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from engine.kv.block_manager import BlockManager
 from engine.viz.blocks import (
+    CELL_FONT_PT,
     FREE_COLOR,
+    MIN_CELL_FONT_PT,
     SHARED_HATCH,
     BlockGridSnapshot,
     Cell,
+    _draw_block_grid,
+    _fit_labels,
     as_snapshot,
     block_grid_player,
     block_size_sweep,
     block_snapshot,
+    columns_to_fill,
+    distinct_colors,
     grid_cells,
     owner_color,
     render_block_grid,
@@ -146,6 +154,84 @@ def test_the_strip_draws_the_chosen_snapshots_in_order():
         render_block_grid_strip(snaps, steps=[6])
 
 
+def labels_outside_their_cells(fig: Figure) -> list[str]:
+    """Every visible cell label whose drawn text leaves its own cell (so it could overprint a
+    neighbour's), after a real draw; also the labels drawn smaller than MIN_CELL_FONT_PT."""
+    canvas = FigureCanvasAgg(fig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "constrained_layout not applied": panels would overlap
+        canvas.draw()
+    renderer = canvas.get_renderer()
+    bad = []
+    for ax in fig.axes:
+        cells = {p.get_gid().split(":")[1]: p.get_window_extent(renderer)
+                 for p in ax.patches if (p.get_gid() or "").startswith("block:")}
+        for t in ax.texts:
+            if not (t.get_gid() or "").startswith("label:") or not t.get_visible():
+                continue
+            text, cell = t.get_window_extent(renderer), cells[t.get_gid().split(":")[1]]
+            inside = (text.x0 >= cell.x0 and text.x1 <= cell.x1 and text.y0 >= cell.y0
+                      and text.y1 <= cell.y1)
+            if not inside or t.get_fontsize() < MIN_CELL_FONT_PT:
+                bad.append(f"{t.get_text()!r} at {t.get_fontsize():.1f} pt")
+    return bad
+
+
+LONG_NAMES = {f"batch-{k}": [2 * k, 2 * k + 1] for k in range(12)}  # 24 blocks held, 2 each
+
+
+@pytest.mark.parametrize("num_blocks", [24, 48, 128])
+def test_no_cell_label_leaves_its_cell_in_a_grid_or_a_strip(num_blocks):
+    tokens = {s: 7 for s in LONG_NAMES}
+    cached = [num_blocks - 1] if num_blocks > len(LONG_NAMES) * 2 else []
+    grid = render_block_grid(LONG_NAMES, num_blocks, tokens, block_size=4, cached_block_ids=cached)
+    assert labels_outside_their_cells(grid) == []
+    snaps = [BlockGridSnapshot(LONG_NAMES, num_blocks, 4, tokens, f"step {i}") for i in range(3)]
+    assert labels_outside_their_cells(render_block_grid_strip(snaps)) == []
+
+
+def test_a_grid_with_room_labels_every_block_and_keeps_owner_and_index_together():
+    fig = render_block_grid(DOC_TABLES, 8, DOC_TOKENS, block_size=4)
+    FigureCanvasAgg(fig).draw()
+    labels = {t.get_gid(): t for t in fig.axes[0].texts if (t.get_gid() or "").startswith("label:")}
+    assert len(labels) == 8 and all(t.get_visible() for t in labels.values())
+    assert labels["label:2"].get_text() == "2\na[1]" and labels["label:2"].get_fontsize() == CELL_FONT_PT
+
+
+def test_labels_too_small_to_read_are_left_out_not_shrunk_to_dots():
+    # 128 blocks in a panel of 2 x 1 inches: cells of about 1/8 inch, far too small for "batch-3[1]"
+    fig = Figure(figsize=(2.0, 1.0), layout="constrained")
+    ax = fig.add_subplot()
+    grid = _draw_block_grid(ax, BlockGridSnapshot(LONG_NAMES, 128, 4, None), legend=False)
+    _fit_labels(fig, [grid])
+    assert grid.labels and not any(t.get_visible() for t, _, _ in grid.labels)
+
+
+def test_columns_to_fill_picks_the_biggest_square_cells_for_the_panel():
+    assert columns_to_fill(24, 4.0, 3.0) == 6  # 6 x 4 cells of 2/3 inch (8 x 3: 1/2 inch)
+    assert columns_to_fill(24, 13.0, 1.0) == 24  # a wide strip: one row
+    assert columns_to_fill(3, 1.0, 9.0) == 1  # a tall column
+
+
+def test_owners_of_one_grid_never_share_a_colour_even_when_their_ids_hash_alike():
+    ids = ["vip-4", "batch-5", "batch-7", "vip-0"]  # crc32 sends the first three to one colour
+    assert owner_color("vip-4") == owner_color("batch-5") == owner_color("batch-7")
+    fig = render_block_grid({s: [k] for k, s in enumerate(ids)}, 8, block_size=4)
+    fills = [_patches(fig)[f"fill:{k}"].get_facecolor() for k in range(len(ids))]
+    assert len(set(fills)) == len(ids)
+    assert fills[0] == mcolors.to_rgba(owner_color("vip-4"))  # the first keeps its own colour
+    assert distinct_colors(ids)["vip-0"] == owner_color("vip-0")  # and so does one that did not collide
+
+
+def test_a_strip_gives_each_owner_one_colour_in_every_panel():
+    snaps = [BlockGridSnapshot({"vip-4": [0], "batch-5": [1]}, 4, 4, None, "a"),
+             BlockGridSnapshot({"batch-5": [1]}, 4, 4, None, "b")]  # alone, batch-5 would keep its own
+    fig = render_block_grid_strip(snaps)
+    first, second = (p.get_facecolor() for p in fig.axes[0].patches + fig.axes[1].patches
+                     if p.get_gid() == "fill:1")
+    assert first == second != mcolors.to_rgba(owner_color("batch-5"))
+
+
 def test_the_player_has_a_play_button_and_a_slider_over_every_snapshot():
     widgets = pytest.importorskip("ipywidgets")
     snaps = [BlockGridSnapshot({"a": [0]}, 4, 4, {"a": n}, "") for n in (1, 2, 3)]
@@ -153,6 +239,27 @@ def test_the_player_has_a_play_button_and_a_slider_over_every_snapshot():
     play, slider = player.children[0].children
     assert isinstance(play, widgets.Play) and isinstance(slider, widgets.IntSlider)
     assert (play.max, slider.max) == (2, 2)
+
+
+def _all_widgets(widget):
+    yield widget
+    for child in getattr(widget, "children", ()):
+        yield from _all_widgets(child)
+
+
+def test_the_player_redraws_the_grid_of_the_chosen_snapshot_without_an_output_widget():
+    # an Output widget is what nbconvert/nbmake answer back, and can stall on (engine/viz/widgets.py)
+    widgets = pytest.importorskip("ipywidgets")
+    from engine.viz.widgets import figure_png
+
+    snaps = [BlockGridSnapshot({"a": [0]}, 4, 4, {"a": n}, f"step {n}") for n in (1, 2, 3)]
+    player = block_grid_player(snaps)
+    slider = player.children[0].children[1]
+    image = next(w for w in _all_widgets(player) if isinstance(w, widgets.Image))
+    assert not any(isinstance(w, widgets.Output) for w in _all_widgets(player))
+    assert image.value == figure_png(render_block_grid({"a": [0]}, 4, {"a": 1}, 4, "step 1"))
+    slider.value = 2
+    assert image.value == figure_png(render_block_grid({"a": [0]}, 4, {"a": 3}, 4, "step 3"))
 
 
 # ---- the block size sweep --------------------------------------------------------------------------
@@ -185,3 +292,5 @@ def test_a_sliding_windows_freed_entries_are_not_drawn_and_the_legend_counts_onl
     assert sorted(cells) == [2, 5] and cells[2].tokens == 2 and cells[5].logical == 2
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["a: 2 blocks (+2 freed)"]
+    one = render_block_grid({"b": [-1, 3]}, 8, {"b": 5}, block_size=4).axes[0].get_legend().get_texts()
+    assert [t.get_text() for t in one] == ["b: 1 block (+1 freed)"]

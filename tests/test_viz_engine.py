@@ -34,12 +34,12 @@ POOL = dict(num_blocks=12, block_size=4)
 
 
 
-def _run(mode: str) -> Trace:
+def _run(mode: str, name: str = "r") -> Trace:
     engine = LLMEngine(random_model(seed=2), None, engine_config(model="random", max_num_seqs=4,
                                                                  preemption_mode=mode, **POOL))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    arrivals = [Arrival(step=2 * k, prompt=list(range(3 + k, 13 + k)), params=params, request_id=f"r{k}")
-                for k in range(NUM_REQUESTS)]
+    arrivals = [Arrival(step=2 * k, prompt=list(range(3 + k, 13 + k)), params=params,
+                        request_id=f"{name}{k}") for k in range(NUM_REQUESTS)]
     return run_arrivals(engine, arrivals)
 
 
@@ -176,6 +176,34 @@ def test_an_empty_trace_is_refused():
         render_timeline(Trace())
 
 
+def test_render_steps_block_grid_labels_stay_inside_their_cells_even_with_long_request_ids():
+    # chapter 05's ids ("batch-1", "vip-0") overprinted their neighbours in a 16-column grid
+    from engine.viz.blocks import CELL_FONT_PT
+    from test_viz_blocks import labels_outside_their_cells
+
+    long_ids = _run("recompute", name="batch-1")
+    for i in (0, preemption_steps(long_ids)[0][0], len(long_ids) - 1):
+        fig = render_step(long_ids, i)
+        assert labels_outside_their_cells(fig) == [], f"step {i}"
+        grid_axes = [ax for ax in fig.axes if any((p.get_gid() or "").startswith("block:") for p in ax.patches)]
+        labels = [t for t in grid_axes[0].texts if (t.get_gid() or "").startswith("label:")]
+        # the panel's columns are chosen for big cells: a 12-block pool has room for full-size labels
+        assert [(t.get_visible(), t.get_fontsize()) for t in labels] == [(True, CELL_FONT_PT)] * POOL["num_blocks"]
+
+
+def test_render_step_marks_step_i_in_every_panel_over_the_bars_that_reach_it(trace):
+    i = preemption_steps(trace)[0][0]
+    fig = render_step(trace, i)
+    nows = [p for ax in fig.axes for p in ax.patches if p.get_gid() == "now"]
+    assert len(nows) == 3  # the timeline, the queues and the KV blocks
+    for now in nows:  # a Rectangle in data x, axes y
+        assert (now.get_x(), now.get_x() + now.get_width()) == (i, i + 1) and now.get_linewidth() > 0
+    timeline = fig.axes[0]
+    spans = [p for p in timeline.patches if (p.get_gid() or "").startswith("span:")]
+    assert all(now.get_zorder() > p.get_zorder() for p in spans for now in nows if now.axes is timeline)
+    assert any(p.get_x() + p.get_width() == i + 1 for p in spans), "the running requests end in step i's column"
+
+
 def test_the_player_needs_ipywidgets_or_builds_play_and_slider(trace):
     try:
         import ipywidgets  # noqa: F401
@@ -186,6 +214,19 @@ def test_the_player_needs_ipywidgets_or_builds_play_and_slider(trace):
     box = trace_player(trace)
     controls = box.children[0].children
     assert [type(c).__name__ for c in controls] == ["Play", "IntSlider"] and controls[1].max == len(trace) - 1
+
+
+def test_the_player_shows_render_step_of_the_chosen_step_as_an_image(trace):
+    # an Image, not an Output widget: nbconvert/nbmake never answer it, so they cannot stall on it
+    widgets = pytest.importorskip("ipywidgets")
+    from engine.viz.widgets import figure_png
+
+    box = trace_player(trace)
+    slider = box.children[0].children[1]
+    image = box.children[1].children[0]
+    assert isinstance(image, widgets.Image) and not isinstance(box.children[1], widgets.Output)
+    slider.value = len(trace) - 1
+    assert image.value == figure_png(render_step(trace, len(trace) - 1))
 
 
 # ---- comparing runs (the serving numbers themselves are tested in test_metrics.py) -------------------

@@ -170,7 +170,13 @@ def test_one_run_of_step_times_takes_its_label_and_counts_steps_without_a_prompt
 def test_widget_has_the_four_sliders_and_redraws_with_their_values(monkeypatch):
     pytest.importorskip("ipywidgets")
     seen = []
-    monkeypatch.setattr(viz, "render_sampling_stages", lambda logits, params, tok, top: seen.append(params))
+    from matplotlib.figure import Figure
+
+    def fake_render(logits, params, tok, top):
+        seen.append(params)
+        return Figure(figsize=(2, 1))  # the widget shows it as a PNG
+
+    monkeypatch.setattr(viz, "render_sampling_stages", fake_render)
     widget = viz.sampling_widget(logits_of(PROBS), params=SamplingParams(temperature=0.7, top_p=0.9))
     sliders = {w.description: w for box in widget.children[:2] for w in box.children}
     assert set(sliders) == {"temperature", "top_k", "top_p", "min_p"}

@@ -255,8 +255,14 @@ def _blocks_in_budget(model_config: ModelConfig, block_size: int, dtype, budget:
     return blocks
 
 
-def log_kv_cache(pool: PagedKVPool, max_model_len: int) -> None:
-    """Tell the user, at INFO on the "engine" logger, what the KV cache holds (as vLLM logs it)."""
+def log_kv_cache(pool: PagedKVPool, max_model_len: int, cache: CacheConfig | None = None) -> None:
+    """Tell the user, at INFO on the "engine" logger, what the KV cache holds (as vLLM logs it).
+
+    A pool that holds fewer tokens than one request of ``max_model_len`` is a WARNING when the size
+    was ours to choose (the default budget, or ``$SERVELAB_KVCACHE_SPACE``, came out too small: a
+    misconfiguration to fix), and a plain INFO line when the caller set it (``cache.num_blocks`` or
+    ``cache.kv_cache_memory_bytes``): the chapters make tiny pools on purpose, to watch them fill.
+    """
     tokens = pool.num_blocks * pool.block_size
     concurrency = pool.num_blocks / math.ceil(max_model_len / pool.block_size)
     logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.3f GiB (%s); "
@@ -264,7 +270,23 @@ def log_kv_cache(pool: PagedKVPool, max_model_len: int) -> None:
                 pool.nbytes / GiB, str(pool.dtype).removeprefix("torch."), pool.num_swap_blocks,
                 pool.swap_nbytes / GiB)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, concurrency)
-    if concurrency < 1:
-        logger.warning("the KV cache holds %d tokens, fewer than one request of "
-                       "max_model_len=%d: longer requests will be rejected; raise "
-                       "kv_cache_memory_bytes or num_blocks", tokens, max_model_len)
+    if concurrency >= 1:
+        return
+    chosen = _explicit_size(cache)
+    if chosen:
+        logger.info("the KV cache holds %d tokens (%s), fewer than one request of "
+                    "max_model_len=%d: longer requests will be rejected", tokens, chosen,
+                    max_model_len)
+        return
+    logger.warning("the KV cache holds %d tokens, fewer than one request of "
+                   "max_model_len=%d: longer requests will be rejected; raise "
+                   "kv_cache_memory_bytes or num_blocks", tokens, max_model_len)
+
+
+def _explicit_size(cache: CacheConfig | None) -> str:
+    """"num_blocks=24" (or kv_cache_memory_bytes=...) when the caller chose the size, else ""."""
+    if cache is not None and cache.num_blocks is not None:
+        return f"num_blocks={cache.num_blocks}"
+    if cache is not None and cache.kv_cache_memory_bytes is not None:
+        return f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+    return ""

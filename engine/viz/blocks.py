@@ -31,7 +31,12 @@ cached: the next request with the same prefix reuses it, or the evictor reclaims
 green and says "cached". With a sliding window, a table entry of -1 (``NULL_BLOCK``) is a logical
 block the window freed: it holds no physical block, so nothing is drawn for it.
 
-Artists carry a `gid`: the cell of block b is "block:b", its filled part "fill:b".
+Labels are sized to fit inside their cells, after the figure's layout is known (`_fit_labels`):
+"batch-1[0]" on one line when the cell is wide enough, "batch-1" over "[0]" when it is not, and no
+text at all when even that would be smaller than MIN_CELL_FONT_PT.
+
+Artists carry a `gid`: the cell of block b is "block:b", its filled part "fill:b", its label
+"label:b".
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from engine.kv.block_manager import BlockManager
+from engine.viz.widgets import interactive_figure
 from kernels.paged_attention.reference import NULL_BLOCK
 
 # cells per row: a pool of 64 blocks is a 4 x 16 grid, still readable at notebook width
@@ -58,7 +64,17 @@ CELL_INCHES = 0.62  # one cell of a small grid: room for a two-line label
 MAX_GRID_INCHES = 7.0  # the tallest one grid may get; its cells shrink beyond that
 LEGEND_INCHES = 2.6  # room on the right for the owners' legend
 CELL_TEXT_MAX_BLOCKS = 128  # above this many cells the labels would overlap: we draw colours only
+CELL_FONT_PT = 6.5  # a cell label's size when its cell has room for it
+# smaller is unreadable: such a grid shows colours only (the legend names the owners)
+MIN_CELL_FONT_PT = 4.0
+# A label must fit inside its cell, so labels never overprint each other. We size it from its
+# longest line: a character of matplotlib's default font is at most about 0.62 of the font size
+# wide, a line about 1.25 font sizes tall, and a label may fill 90% of its cell either way.
+CHAR_EM, LINE_EM, CELL_TEXT_FILL = 0.62, 1.25, 0.9
 LEGEND_MAX_OWNERS = 12  # a longer legend hides the grid; the cells still say their owner
+LEGEND_ROW_INCHES = 0.17  # one legend entry at 7 pt with its spacing: a panel is at least this tall
+TITLE_INCHES = 0.9  # a grid's two-line title
+GRID_EDGE = 0.03  # a margin around the grid, in cells, so that the outer cells' frames are not cut
 STRIP_DEFAULT_PANELS = 4  # snapshots in a static strip when the caller does not pick them
 STRIP_SHRINK = 0.8  # a strip's grids are drawn a little smaller than a single grid
 REQUESTS_DRAWN = 24  # rows in the per-request panel of render_reservation: enough to see the spread
@@ -266,8 +282,31 @@ def owner_color(seq_id, colors: Mapping | None = None):
     runs)."""
     if colors is not None and seq_id in colors:
         return colors[seq_id]
+    return PALETTE[_palette_index(seq_id)]
+
+
+def _palette_index(seq_id) -> int:
     index = seq_id if isinstance(seq_id, int) else zlib.crc32(str(seq_id).encode())
-    return PALETTE[index % len(PALETTE)]
+    return index % len(PALETTE)
+
+
+def distinct_colors(seq_ids: Sequence, colors: Mapping | None = None) -> dict:
+    """{seq id: colour} in which no two of ``seq_ids`` share a colour (while the palette lasts).
+
+    Each id keeps `owner_color`'s colour unless an earlier id in the list already has it; then it
+    takes the next free one (crc32 sends "vip-4", "batch-5" and "batch-7" to the same colour).
+    Colours given in ``colors`` are kept as they are."""
+    out = dict(colors or {})
+    used = {i for i, color in enumerate(PALETTE) if color in out.values()}
+    for seq in seq_ids:
+        if seq in out:
+            continue
+        index = _palette_index(seq)
+        while index in used and len(used) < len(PALETTE):
+            index = (index + 1) % len(PALETTE)
+        used.add(index)
+        out[seq] = PALETTE[index]
+    return out
 
 
 def _check_cached(cached: Sequence[int], tables: Mapping, num_blocks: int) -> None:
@@ -283,24 +322,67 @@ def _owner_label(seq, table) -> str:
     """"a: 3 blocks", or with a sliding window "a: 3 blocks (+2 freed)"
     (NULL_BLOCK entries hold none)."""
     freed = sum(1 for b in table if b == NULL_BLOCK)
-    return f"{seq}: {len(table) - freed} blocks" + (f" (+{freed} freed)" if freed else "")
+    held = len(table) - freed
+    return f"{seq}: {held} block{'s' * (held != 1)}" + (f" (+{freed} freed)" if freed else "")
 
 
-def _cell_text(b: int, cell: Cell | None, cached: bool = False) -> str:
+def _cell_text(b: int, cell: Cell | None, cached: bool = False, narrow: bool = False) -> str:
+    """The label of block b: its id, then "a[1]" (logical block 1 of sequence a) or "x3 [0]"
+    (logical block 0 of three tables that share it); ``narrow`` puts "[1]" on a line of its own."""
     if cell is None:
         return f"{b}\ncached" if cached else f"{b}"
-    # "a[1]": logical block 1 of sequence a; "x3 [0]": logical block 0 of three tables that share it
     who = f"{cell.owners[0]}" if len(cell.owners) == 1 else f"x{len(cell.owners)} "
-    return f"{b}\n{who}[{cell.logical}]"
+    return f"{b}\n{who}" + ("\n" if narrow else "") + f"[{cell.logical}]"
+
+
+@dataclass
+class _GridLabels:
+    """The labels of one drawn grid, in both layouts, to be sized once the layout is known."""
+
+    ax: object
+    columns: int
+    rows: int
+    labels: list  # (text artist, wide text, narrow text)
+
+
+def _label_size(cell_pt: float, texts: Sequence[str]) -> float:
+    """The largest font size (at most CELL_FONT_PT) at which every text fits in a cell of
+    ``cell_pt`` points."""
+    lines = [line for t in texts for line in t.split("\n")]
+    chars = max(len(line) for line in lines)
+    height = max(t.count("\n") + 1 for t in texts)
+    room = CELL_TEXT_FILL * cell_pt
+    return min(CELL_FONT_PT, room / (chars * CHAR_EM), room / (height * LINE_EM))
+
+
+def _fit_labels(fig: Figure, grids: Sequence[_GridLabels]) -> None:
+    """Size every grid's labels to its cells as laid out (wide layout first, narrow if it reads
+    larger); hide them where even that is below MIN_CELL_FONT_PT."""
+    fig.get_layout_engine().execute(fig)  # constrained layout: the axes' final boxes
+    for grid in grids:
+        if not grid.labels:
+            continue
+        grid.ax.apply_aspect()  # square cells: the box the axes is really drawn in
+        box = grid.ax.get_position()
+        cell_pt = 72 * min(box.width * fig.get_figwidth() / (grid.columns + 2 * GRID_EDGE),
+                           box.height * fig.get_figheight() / (grid.rows + 2 * GRID_EDGE))
+        wide = _label_size(cell_pt, [w for _, w, _ in grid.labels])
+        narrow = _label_size(cell_pt, [n for _, _, n in grid.labels])
+        size, pick = (wide, 1) if wide >= narrow else (narrow, 2)
+        for entry in grid.labels:
+            entry[0].set_text(entry[pick])
+            entry[0].set_fontsize(size)
+            entry[0].set_visible(size >= MIN_CELL_FONT_PT)
 
 
 def _draw_cell(ax, b: int, cell: Cell | None, block_size: int, columns: int, colors, labels: bool,
-               cached: bool = False) -> None:
+               cached: bool = False):
     """One block: a frame faded in its owner's colour, the filled part solid
     (hatched when shared), a label.
 
     We add the artists with `add_artist` and keep them out of the layout: the axes limits are set
-    once for the whole grid, and a pool of 48 cells then draws several times faster."""
+    once for the whole grid, and a pool of 48 cells then draws several times faster. Returns the
+    label as (artist, wide text, narrow text), or None without labels."""
     x, y = b % columns, b // columns
     color = ((CACHED_COLOR if cached else FREE_COLOR) if cell is None
              else owner_color(cell.owners[0], colors))
@@ -313,13 +395,18 @@ def _draw_cell(ax, b: int, cell: Cell | None, block_size: int, columns: int, col
         hatch, edge = (SHARED_HATCH, "black") if shared else (None, "none")
         artists.append(Rectangle((x, y + 1 - fill), 1, fill, facecolor=color, edgecolor=edge,
                                  hatch=hatch, linewidth=0.5, gid=f"fill:{b}"))
+    label = None
     if labels:
-        artists.append(ax.text(x + 0.5, y + 0.5, _cell_text(b, cell, cached), ha="center",
-                               va="center", fontsize=6.5, bbox=LABEL_BOX if shared else None))
+        wide = _cell_text(b, cell, cached)
+        label = (ax.text(x + 0.5, y + 0.5, wide, ha="center", va="center", fontsize=CELL_FONT_PT,
+                         bbox=LABEL_BOX if shared else None, gid=f"label:{b}"),
+                 wide, _cell_text(b, cell, cached, narrow=True))
+        artists.append(label[0])
     for artist in artists:
         artist.set_in_layout(False)
         if artist.axes is None:
             ax.add_artist(artist)
+    return label
 
 
 def _grid_shape(num_blocks: int) -> tuple[int, int, float]:
@@ -329,19 +416,32 @@ def _grid_shape(num_blocks: int) -> tuple[int, int, float]:
     return columns, rows, min(CELL_INCHES, MAX_GRID_INCHES / rows, 2 * MAX_GRID_INCHES / columns)
 
 
-def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = True) -> None:
+def columns_to_fill(num_blocks: int, width: float, height: float) -> int:
+    """How many columns give a pool of ``num_blocks`` square cells the biggest cells in a
+    ``width`` x ``height`` box (a grid drawn into a panel of a given shape)."""
+    return max(range(1, num_blocks + 1),
+               key=lambda c: min(width / c, height / math.ceil(num_blocks / c)))
+
+
+def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = True,
+                     columns: int | None = None) -> _GridLabels:
+    """Draw the grid into ``ax`` (``columns`` cells per row: by default `_grid_shape`'s); returns
+    its labels, which the caller sizes with `_fit_labels` once the figure is laid out."""
     cells = grid_cells(snap.tables, snap.num_blocks, snap.num_tokens, snap.block_size)
     _check_cached(snap.cached_block_ids, snap.tables, snap.num_blocks)
     cached = set(snap.cached_block_ids)
-    columns, rows, _ = _grid_shape(snap.num_blocks)
+    colors = distinct_colors(list(snap.tables), colors)
+    columns = columns or _grid_shape(snap.num_blocks)[0]
+    rows = math.ceil(snap.num_blocks / columns)
     labels = snap.num_blocks <= CELL_TEXT_MAX_BLOCKS
-    for b in range(snap.num_blocks):
-        _draw_cell(ax, b, cells.get(b), snap.block_size, columns, colors, labels, b in cached)
-    ax.set_xlim(0, columns)
-    ax.set_ylim(rows, 0)  # block 0 top left, ids grow left to right, then down
+    drawn = [_draw_cell(ax, b, cells.get(b), snap.block_size, columns, colors, labels, b in cached)
+             for b in range(snap.num_blocks)]
+    ax.set_xlim(-GRID_EDGE, columns + GRID_EDGE)
+    ax.set_ylim(rows + GRID_EDGE, -GRID_EDGE)  # block 0 top left, ids grow left to right, then down
     ax.set_aspect("equal")
     ax.set_xticks([])
     ax.set_yticks([])
+    ax.spines[:].set_visible(False)  # each cell has its own frame; the last row may be short
     held = sum(c.tokens for c in cells.values())
     wasted = len(cells) * snap.block_size - held
     title = (f"{len(cells)}/{snap.num_blocks} blocks used, {wasted} slots wasted "
@@ -364,6 +464,14 @@ def _draw_block_grid(ax, snap: BlockGridSnapshot, colors=None, legend: bool = Tr
                                  label="free but cached"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7,
                   frameon=False)
+    return _GridLabels(ax, columns, rows, [label for label in drawn if label is not None])
+
+
+def _panel_inches(snap: BlockGridSnapshot, cell: float, rows: int) -> float:
+    """The height one grid needs: its cells and title, or its legend if that is taller
+    (owners, "... and N more", shared, cached)."""
+    entries = min(len(snap.tables), LEGEND_MAX_OWNERS) + 3
+    return max(cell * rows, LEGEND_ROW_INCHES * entries) + TITLE_INCHES
 
 
 def render_block_grid(block_tables: Mapping, num_blocks: int, num_tokens: Mapping | None = None,
@@ -379,13 +487,19 @@ def render_block_grid(block_tables: Mapping, num_blocks: int, num_tokens: Mappin
     snap = BlockGridSnapshot(dict(block_tables), num_blocks, block_size, num_tokens, title,
                              tuple(cached_block_ids))
     columns, rows, cell = _grid_shape(num_blocks)
-    fig, axes = _new_figure(figsize=(cell * columns + LEGEND_INCHES, cell * rows + 0.9))
-    _draw_block_grid(axes[0][0], snap, colors)
+    fig, axes = _new_figure(figsize=(cell * columns + LEGEND_INCHES,
+                                     _panel_inches(snap, cell, rows)))
+    _fit_labels(fig, [_draw_block_grid(axes[0][0], snap, colors)])
     return fig
 
 
 def _evenly_spaced(count: int, panels: int) -> list[int]:
     return sorted({round(i) for i in np.linspace(0, count - 1, min(panels, count))})
+
+
+def _colors_of(snaps: Sequence[BlockGridSnapshot]) -> dict:
+    """Distinct colours for every owner of a series of snapshots, the same in each of them."""
+    return distinct_colors(list(dict.fromkeys(seq for snap in snaps for seq in snap.tables)))
 
 
 def render_block_grid_strip(snapshots: Sequence, steps: Sequence[int] | None = None) -> Figure:
@@ -404,13 +518,16 @@ def render_block_grid_strip(snapshots: Sequence, steps: Sequence[int] | None = N
               f"must be indices in 0..{len(snaps) - 1}, got {list(steps)}")
     columns, rows, cell = _grid_shape(max(s.num_blocks for s in snaps))
     cell *= STRIP_SHRINK
-    height = len(steps) * (cell * rows + 0.9)  # 0.9 inch per panel for its two-line title
+    height = sum(_panel_inches(snaps[i], cell, rows) for i in steps)
     fig, axes = _new_figure(len(steps), 1, figsize=(cell * columns + LEGEND_INCHES, height))
+    grids, colors = [], _colors_of(snaps)
     for ax, i in zip(axes[:, 0], steps, strict=True):
         snap = snaps[i]
         label = snap.label or f"snapshot {i}"
-        _draw_block_grid(ax, BlockGridSnapshot(snap.tables, snap.num_blocks, snap.block_size,
-                                               snap.num_tokens, label, snap.cached_block_ids))
+        grids.append(_draw_block_grid(ax, BlockGridSnapshot(snap.tables, snap.num_blocks,
+                                                            snap.block_size, snap.num_tokens,
+                                                            label, snap.cached_block_ids), colors))
+    _fit_labels(fig, grids)
     return fig
 
 
@@ -418,10 +535,11 @@ def block_grid_player(snapshots: Sequence, interval_ms: int = 700):
     """A Play button and a slider that step through snapshots, redrawing `render_block_grid`.
 
     Needs ipywidgets (imported here, so the rest of the module works without it); a notebook shows
-    the returned widget with `display(...)`. Without widgets, use `render_block_grid_strip`.
+    the returned widget with `display(...)`. Without widgets, use `render_block_grid_strip`. The
+    picture is an Image widget, not an Output widget, so `nbconvert --execute` and nbmake never
+    stall on it (engine/viz/widgets.py says why).
     """
     import ipywidgets as widgets
-    from IPython.display import display
 
     snaps = [as_snapshot(s) for s in snapshots]
     if not snaps:
@@ -430,15 +548,15 @@ def block_grid_player(snapshots: Sequence, interval_ms: int = 700):
                         description="play")
     slider = widgets.IntSlider(value=0, min=0, max=len(snaps) - 1, description="snapshot")
     widgets.jslink((play, "value"), (slider, "value"))
+    colors = _colors_of(snaps)
 
-    def redraw(i: int) -> None:
+    def render(i: int) -> Figure:
         s = snaps[i]
         label = s.label or f"snapshot {i}"
-        display(render_block_grid(s.tables, s.num_blocks, s.num_tokens, s.block_size, label,
-                                  cached_block_ids=s.cached_block_ids))
+        return render_block_grid(s.tables, s.num_blocks, s.num_tokens, s.block_size, label,
+                                 colors, s.cached_block_ids)
 
-    return widgets.VBox([widgets.HBox([play, slider]),
-                         widgets.interactive_output(redraw, {"i": slider})])
+    return widgets.VBox([widgets.HBox([play, slider]), interactive_figure(render, {"i": slider})])
 
 
 # ---- the block size trade-off --------------------------------------------------------------------

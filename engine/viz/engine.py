@@ -45,7 +45,16 @@ from matplotlib.patches import Patch, Rectangle
 from engine.companions.metrics import trace_metrics
 from engine.trace import StepReport, Trace
 from engine.viz._figure import new_figure as _new_figure
-from engine.viz.blocks import BlockGridSnapshot, _draw_block_grid, render_block_grid
+from engine.viz.blocks import (
+    LEGEND_INCHES,
+    BlockGridSnapshot,
+    _draw_block_grid,
+    _fit_labels,
+    columns_to_fill,
+    distinct_colors,
+    render_block_grid,
+)
+from engine.viz.widgets import interactive_figure
 
 # What each state looks like. "absent" (not arrived yet) and "finished" are not drawn.
 STATE_COLORS = {
@@ -65,6 +74,10 @@ ROW_LABELS_MAX = 40  # above this many rows we label every k-th row only, so lab
 # the shade over the current step's column: visible, yet the bars under it stay readable
 NOW_ALPHA = 0.12
 PLAYER_INTERVAL_MS = 800  # one step per 0.8 s: slow enough to read the step's title
+STEP_WIDTH_IN, BOTTOM_ROW_IN = 12.0, 3.6  # render_step's width, and the height of its lower row
+# render_step's lower row: the queues panel and the block grid panel, side by side, in this ratio
+QUEUES_TO_GRID = (1.1, 1.0)
+GRID_TITLE_IN = 0.5  # the grid panel's two-line title
 
 
 
@@ -167,8 +180,15 @@ def _draw_timeline(ax, trace: Trace, upto_step: int | None = None, title: str = 
     ax.set_xlabel("engine step")
     ax.set_ylabel("request")
     if upto_step is not None:
-        ax.axvspan(upto_step, upto_step + 1, color="black", alpha=NOW_ALPHA, linewidth=0, gid="now")
+        _mark_now(ax, upto_step)
     ax.set_title(title or f"{len(rows)} requests over {len(trace)} steps", fontsize=10)
+
+
+def _mark_now(ax, step: int) -> None:
+    """Shade the column [step, step + 1) over whatever is drawn there, with a thin edge, so it reads
+    as "now" even where no bar reaches it (only the requests still running end in that column)."""
+    ax.axvspan(step, step + 1, facecolor=(0, 0, 0, NOW_ALPHA), edgecolor="black", linewidth=0.6,
+               zorder=3, gid="now")
 
 
 def _state_legend(ax, trace: Trace) -> None:
@@ -259,7 +279,7 @@ def _draw_queues(ax_q, ax_kv, trace: Trace, mark_step: int | None = None) -> Non
             ax_q.stairs(lengths[name], edges, color=color, label=name, linewidth=1.5,
                         gid=f"queue:{name}")
     ax_q.set_ylabel("requests")
-    ax_q.legend(fontsize=7, loc="upper right", frameon=False)
+    ax_q.legend(fontsize=7, loc="best", frameon=False)
     ax_kv.stairs(lengths["blocks_used"], edges, color="tab:green", label="KV blocks used",
                  linewidth=1.5, gid="queue:blocks_used")
     ax_kv.stairs(lengths["blocks_total"], edges, color="black", linestyle="--", linewidth=0.8,
@@ -270,14 +290,13 @@ def _draw_queues(ax_q, ax_kv, trace: Trace, mark_step: int | None = None) -> Non
     ax_kv.set_ylabel("KV blocks")
     ax_kv.set_xlabel("engine step")
     ax_kv.set_ylim(0, max(lengths["blocks_total"] + [1]) * 1.1)
-    ax_kv.legend(fontsize=7, loc="lower right", frameon=False)
+    ax_kv.legend(fontsize=7, loc="best", frameon=False)  # where it hides the least of the lines
     for step, _rid, _mode in preemption_steps(trace):
         for ax in (ax_q, ax_kv):
             ax.axvline(step + 0.5, color="tab:red", linewidth=0.6, alpha=0.6, gid="preemption")
     if mark_step is not None:
         for ax in (ax_q, ax_kv):
-            ax.axvspan(mark_step, mark_step + 1, color="black", alpha=NOW_ALPHA, linewidth=0,
-                       gid="now")
+            _mark_now(ax, mark_step)
     ax_q.set_xlim(0, len(trace))
 
 
@@ -298,10 +317,11 @@ def render_step(trace: Trace, i: int) -> Figure:
     block grid of step i. The title says what the step ran (`describe_step`)."""
     i = _check_step("render_step", trace, i)
     rows = len(trace.request_ids())
-    fig = plt.figure(figsize=(12.0, _timeline_inches(rows) + 3.6), layout="constrained")
+    fig = plt.figure(figsize=(STEP_WIDTH_IN, _timeline_inches(rows) + BOTTOM_ROW_IN),
+                     layout="constrained")
     plt.close(fig)
-    grid = fig.add_gridspec(2, 2, height_ratios=[_timeline_inches(rows), 3.6],
-                            width_ratios=[1.1, 1.0])
+    grid = fig.add_gridspec(2, 2, height_ratios=[_timeline_inches(rows), BOTTOM_ROW_IN],
+                            width_ratios=QUEUES_TO_GRID)
     timeline = fig.add_subplot(grid[0, :])
     _draw_timeline(timeline, trace, i, f"requests up to step {i}")
     _state_legend(timeline, trace)
@@ -311,7 +331,13 @@ def render_step(trace: Trace, i: int) -> Figure:
     snap = _block_snapshot(trace, i)
     ax_blocks = fig.add_subplot(grid[1, 1])
     if snap.num_blocks >= 1:
-        _draw_block_grid(ax_blocks, snap)
+        # as many columns as make the cells biggest in this panel, so their labels stay readable
+        width = STEP_WIDTH_IN * QUEUES_TO_GRID[1] / sum(QUEUES_TO_GRID) - LEGEND_INCHES
+        columns = columns_to_fill(snap.num_blocks, width, BOTTOM_ROW_IN - GRID_TITLE_IN)
+        colors = distinct_colors(trace.request_ids())  # the same in every step's picture
+        _fit_labels(fig, [_draw_block_grid(ax_blocks, snap, colors, columns=columns)])
+    else:
+        ax_blocks.set_axis_off()
     fig.suptitle(describe_step(trace[i]), fontsize=10)
     return fig
 
@@ -400,15 +426,15 @@ def trace_player(trace: Trace, interval_ms: int = PLAYER_INTERVAL_MS):
 
     Needs ipywidgets (imported here, so the rest of the module works without it); a notebook shows
     the returned widget with `display(...)`. Without widgets, draw `render_step` at a few steps
-    (`evenly_spaced_steps`).
+    (`evenly_spaced_steps`). The picture is an Image widget, not an Output widget, so
+    `nbconvert --execute` and nbmake never stall on it (engine/viz/widgets.py says why).
     """
     import ipywidgets as widgets
-    from IPython.display import display
 
     _check_step("trace_player", trace, 0)
     last = len(trace) - 1
     play = widgets.Play(value=0, min=0, max=last, step=1, interval=interval_ms, description="play")
     slider = widgets.IntSlider(value=0, min=0, max=last, description="step")
     widgets.jslink((play, "value"), (slider, "value"))
-    output = widgets.interactive_output(lambda i: display(render_step(trace, i)), {"i": slider})
-    return widgets.VBox([widgets.HBox([play, slider]), output])
+    figure = interactive_figure(lambda i: render_step(trace, i), {"i": slider})
+    return widgets.VBox([widgets.HBox([play, slider]), figure])

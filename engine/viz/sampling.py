@@ -132,7 +132,8 @@ def sampling_widget(logits_1d: torch.Tensor, tokenizer: Tokenizer | None = None,
     widget; a notebook shows it with `display(...)`. top_k 0 means off, temperature 0 means greedy.
     """
     import ipywidgets as widgets
-    from IPython.display import display
+
+    from engine.viz.widgets import interactive_figure
 
     start = params or SamplingParams(temperature=1.0)
     sliders = {
@@ -146,10 +147,11 @@ def sampling_widget(logits_1d: torch.Tensor, tokenizer: Tokenizer | None = None,
                                      description="min_p"),
     }
 
-    def redraw(**knobs) -> None:
-        display(render_sampling_stages(logits_1d, SamplingParams(**knobs), tokenizer, top))
-
-    figure = widgets.interactive_output(redraw, sliders)
+    # a PNG image widget, not interactive_output: nbclient's ipywidgets message race (nbclient
+    # issue 312) can stall an executed notebook on an Output widget (engine/viz/widgets.py)
+    figure = interactive_figure(
+        lambda **knobs: render_sampling_stages(logits_1d, SamplingParams(**knobs), tokenizer, top),
+        sliders)
     controls = list(sliders.values())
     return widgets.VBox([widgets.HBox(controls[:2]), widgets.HBox(controls[2:]), figure])
 
