@@ -8,6 +8,7 @@ evicts, then a fresh user turn) and answers short, so requests, not tokens, domi
 is what we are testing.
 
     python benchmarks/soak.py                     # 20,000 requests, tinylab (about 10 minutes on 2 cores)
+    python benchmarks/soak.py --compare           # the same without pinned malloc thresholds first
     python benchmarks/soak.py --requests 3000 --results-dir /tmp/soak      # a smoke run
 
 The verdict (flat = after the warm-up, the largest RSS sample is within FLAT_TOLERANCE of the smallest) is
@@ -60,9 +61,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, model: str, trace_steps: int | None) -> subprocess.Popen:
+def start_server(port: int, model: str, trace_steps: int | None, pin_malloc: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--port", str(port), "--no-dashboard",
-           "--max-num-seqs", str(CLIENTS), "--shutdown-timeout", "5"]
+           "--max-num-seqs", str(CLIENTS), "--shutdown-timeout", "5",
+           "--pin-malloc" if pin_malloc else "--no-pin-malloc"]
     if trace_steps is not None:
         cmd += ["--trace-steps", str(trace_steps)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -123,24 +125,28 @@ class Load:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
 
 
-def soak(requests: int, model: str, trace_steps: int | None) -> tuple[list[dict], dict]:
+def soak(requests: int, model: str, trace_steps: int | None, pin_malloc: bool) -> tuple[list[dict], dict]:
     port = free_port()
-    proc = start_server(port, model, trace_steps)
+    proc = start_server(port, model, trace_steps, pin_malloc)
     load = Load(port, requests, model)
     threads = [threading.Thread(target=load.client, args=(i,), daemon=True) for i in range(CLIENTS)]
-    rows, t0 = [{"requests": 0, "rss_mib": round(rss_bytes(proc.pid) / 2**20, 1), "elapsed_s": 0.0}], time.time()
+    def row(n: int) -> dict:
+        return {"pin_malloc": pin_malloc, "requests": n, "rss_mib": round(rss_bytes(proc.pid) / 2**20, 1),
+                "elapsed_s": round(time.time() - t0, 1)}
+
+    t0 = time.time()
+    rows = [row(0)]
     for t in threads:
         t.start()
     next_sample = SAMPLE_EVERY
     while any(t.is_alive() for t in threads):
         time.sleep(0.2)
         if load.ok + len(load.errors) >= next_sample:
-            rows.append({"requests": next_sample, "rss_mib": round(rss_bytes(proc.pid) / 2**20, 1),
-                         "elapsed_s": round(time.time() - t0, 1)})
+            rows.append(row(next_sample))
             print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)
             next_sample += SAMPLE_EVERY
-    rows.append({"requests": load.ok + len(load.errors), "rss_mib": round(rss_bytes(proc.pid) / 2**20, 1),
-                 "elapsed_s": round(time.time() - t0, 1)})
+    if rows[-1]["requests"] != load.ok + len(load.errors):
+        rows.append(row(load.ok + len(load.errors)))
     proc.send_signal(signal.SIGTERM)
     exit_code = proc.wait(30)
     stderr = proc.stderr.read()
@@ -164,20 +170,26 @@ def main(argv=None) -> None:
                         help="tinylab only: its vocabulary sizes the random prompts")
     parser.add_argument("--trace-steps", type=int, default=None, help="the server's --trace-steps (default its own)")
     parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument("--compare", action="store_true",
+                        help="first a server started with --no-pin-malloc, then the default one")
     args = parser.parse_args(argv)
-    rows, outcome = soak(args.requests, args.model, args.trace_steps)
-    result = verdict(rows)
+    rows, outcomes = [], {}
+    for pin in ((False, True) if args.compare else (True,)):
+        part, outcome = soak(args.requests, args.model, args.trace_steps, pin)
+        outcomes["pinned" if pin else "unpinned"] = {**verdict(part), **outcome}
+        print(json.dumps(outcomes), flush=True)
+        rows += part
     print("\n" + markdown_table(rows))
-    print(json.dumps({**result, **outcome}))
     settings = dict(model=args.model, requests=args.requests, clients=CLIENTS, system_prompts=SYSTEM_PROMPTS,
                     system_tokens=SYSTEM_TOKENS, user_tokens=f"{USER_TOKENS[0]}-{USER_TOKENS[1]}",
                     max_tokens=MAX_TOKENS, prefix_caching="on (default)",
                     trace_steps=args.trace_steps or "server default", warmup_requests=WARMUP_REQUESTS,
-                    **result, **outcome)
+                    **{f"{k}_{field}": v for k, o in outcomes.items() for field, v in o.items()})
     notes = (f"Server RSS (VmRSS of the `python -m engine serve` process) every {SAMPLE_EVERY} requests; 1 in 4 "
              f"requests streamed. Flat = after {WARMUP_REQUESTS} requests of warm-up, the largest sample is within "
              f"{100 * FLAT_TOLERANCE:.0f} % of the smallest (spread_pct). Ends with SIGTERM: exit_code and the "
-             "server's last line (KV blocks still held).")
+             "server's last line (KV blocks still held). pin_malloc: the server's --pin-malloc (default on: "
+             "glibc's mmap/trim thresholds pinned, engine/serving/lifecycle.py) or --no-pin-malloc.")
     write_results("soak", rows, settings, notes=notes, results_dir=args.results_dir)
 
 

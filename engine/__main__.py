@@ -251,7 +251,7 @@ def cmd_serve(args) -> None:
     from engine.llm_engine import LLMEngine
     from engine.serving.admission import api_keys_from_args, limits_from_args
     from engine.serving.dashboard import attach_dashboard
-    from engine.serving.lifecycle import serve
+    from engine.serving.lifecycle import pin_malloc_thresholds, serve
     from engine.serving.server import build_app
     from engine.trace import TraceRetention
 
@@ -264,9 +264,11 @@ def cmd_serve(args) -> None:
     limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)
     trace = TraceRetention.server(args.trace_steps, args.trace_file,
                                   file_max_bytes=int(args.trace_file_max_mb * 2**20))
+    allocator = pin_malloc_thresholds() if args.pin_malloc else "allocator: as the process started"
     engine = LLMEngine.from_pretrained(args.model, args.dtype, speed=args.speed,
                                        **{k: v for k, v in options.items() if v is not None})
     print_speed(engine)
+    print(f"[{allocator}]", file=sys.stderr, flush=True)
     app = build_app(engine, args.served_model_name or args.model, limits=limits, api_keys=keys,
                     trace=trace)
     if not args.no_dashboard:
@@ -326,6 +328,9 @@ def _add_serve_parsers(sub) -> None:
     s.add_argument("--trace-file", default=None,
                    help="also stream every step report to this file as JSON lines, rotated "
                         "(python -m engine diagnose FILE reads it)")
+    s.add_argument("--pin-malloc", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin glibc's mmap/trim thresholds so the heap stays flat over a long run "
+                        "(engine/serving/lifecycle.py; --no-pin-malloc to compare)")
     s.add_argument("--trace-file-max-mb", type=float, default=TRACE_FILE_MAX_BYTES / 2**20,
                    help="rotate the trace file at this size (3 old files kept)")
     s.add_argument("--no-dashboard", action="store_true",
