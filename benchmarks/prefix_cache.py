@@ -11,8 +11,9 @@ off and on, we measure two things:
     throughput   every request at once (an offline batch): output tokens per second, and the engine's
                  CPU time, over the whole run
 
-The targets (issue 12): TTFT P50 at 90 % shared at least 5x lower with the cache; at 0 % (no hit possible)
-at most 2 % throughput lost to hashing and lookups. Reported, never asserted.
+The targets (issue 32, which made the cache the default): TTFT P50 at 90 % shared at least 5x lower with the
+cache; at 0 % (no hit possible) at most 1 % of the step time spent hashing and looking up (bookkeeping_pct,
+timed directly), and the throughput change beside it. Reported, never asserted.
 
 The bundled tinylab's context is 512 tokens, so its system prompt is shortened to 448 tokens (448 + a
 48-token turn + 16 answer tokens = 512); the real model (`--model smollm2-135m-instruct`, context 8192)
@@ -78,10 +79,36 @@ def workload(n: int, vocab: int, system_tokens: int, shared_fraction: float) -> 
             for i in range(n)]
 
 
+# The prefix cache's own work in a step: hash the new full blocks and register them (cache_blocks), hash a
+# waiting prompt's blocks and look them up (find_cached_prefix). Timed directly, because a throughput
+# difference of 1 % is below what two runs on a shared 2-core machine can tell apart.
+BOOKKEEPING = ("find_cached_prefix", "cache_blocks")
+
+
+def timed_bookkeeping(engine: LLMEngine) -> dict:
+    """Wrap this engine's block-manager methods in BOOKKEEPING with timers (instance attributes: no other
+    engine is touched); returns the dict whose "s" they add their seconds to."""
+    spent, bm = {"s": 0.0}, engine.block_manager
+
+    def timer(method):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - t0
+        return timed
+
+    for name in BOOKKEEPING:
+        setattr(bm, name, timer(getattr(bm, name)))
+    return spent
+
+
 def run(model, tokenizer, name: str, prompts: list[list[int]], caching: bool, rate_per_s: float | None) -> dict:
     """One run: all at once (rate None) or Poisson arrivals at rate_per_s. Returns its metrics."""
     engine = LLMEngine(model, tokenizer, engine_config(name, max_num_seqs=MAX_NUM_SEQS,
                                                        enable_prefix_caching=caching))
+    spent = timed_bookkeeping(engine)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     rng, t = random.Random(SEED + 1), 0.0
     requests = []
@@ -92,8 +119,10 @@ def run(model, tokenizer, name: str, prompts: list[list[int]], caching: bool, ra
     trace = replay(engine, requests)
     cpu = time.process_time() - cpu
     m, hits = trace_summary(trace), prefix_cache_stats(trace)
+    busy_s = sum(r.end_time - r.start_time for r in trace.steps)
     return {"ttft_p50_s": m.ttft_s.p50, "ttft_p99_s": m.ttft_s.p99, "throughput_tok_s": m.throughput_tok_s,
-            "duration_s": m.duration_s, "cpu_s": cpu, "hit_rate": hits.hit_rate, "threads": engine.num_threads}
+            "duration_s": m.duration_s, "cpu_s": cpu, "hit_rate": hits.hit_rate, "threads": engine.num_threads,
+            "bookkeeping_pct": 100 * spent["s"] / busy_s}
 
 
 def measure(model, tokenizer, name: str, cfg: dict, rate: float) -> list[dict]:
@@ -111,7 +140,8 @@ def measure(model, tokenizer, name: str, cfg: dict, rate: float) -> list[dict]:
                              "ttft_p50_ms": round(1e3 * online["ttft_p50_s"], 1),
                              "ttft_p99_ms": round(1e3 * online["ttft_p99_s"], 1),
                              "throughput_tok_s": round(offline["throughput_tok_s"], 1),
-                             "offline_cpu_s": round(offline["cpu_s"], 2)})
+                             "offline_cpu_s": round(offline["cpu_s"], 2),
+                             "bookkeeping_pct": round(offline["bookkeeping_pct"], 2)})
             rows.append(median_row(reps))
             print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)
     return rows
@@ -136,8 +166,11 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="tinylab", choices=sorted(SYSTEM_TOKENS))
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="where to write prefix_cache.json/.md (default benchmarks/results/)")
+    parser.add_argument("--requests", type=int, default=None, help="override the requests per run")
+    parser.add_argument("--repeats", type=int, default=None, help="override the repeats")
     args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    cfg.update({k: v for k, v in (("requests", args.requests), ("repeats", args.repeats)) if v is not None})
     model, tokenizer = load_model(args.model)
     calibration = workload(cfg["requests"], model.config.vocab_size, SYSTEM_TOKENS[args.model], 0.0)
     run(model, tokenizer, args.model, calibration[:MAX_NUM_SEQS], False, None)  # warm-up
@@ -152,7 +185,8 @@ def main(argv=None) -> None:
                     max_num_seqs=MAX_NUM_SEQS, load=LOAD, rate_per_s=round(rate, 3),
                     engine_threads=served["threads"], torch_threads_outside_steps=torch.get_num_threads(),
                     cpu_flags=" ".join(cpu_simd_flags()) or "unknown")
-    write_results("prefix_cache", rows, settings, notes=_notes(args.model), results_dir=args.results_dir)
+    name = "prefix_cache" if args.model == "tinylab" else f"prefix_cache_{args.model}"
+    write_results(name, rows, settings, notes=_notes(args.model), results_dir=args.results_dir)
 
 
 def _notes(model: str) -> str:
@@ -161,8 +195,12 @@ def _notes(model: str) -> str:
     return ("Chat traffic: a shared system prompt in front of a fraction of the requests (the others have "
             "their own, equally long), a 16-48 token user turn, 16 output tokens (greedy, EOS ignored). "
             "TTFT P50/P99 from Poisson arrivals at LOAD x the cache-off engine's rate; throughput (output "
-            "tokens/s) from all requests at once; medians over the repeats. Targets: x_ttft_p50_vs_off >= 5 at "
-            "90 % shared; throughput_change_pct >= -2 at 0 % shared (reported, not asserted)." + shortened)
+            "tokens/s) from all requests at once; medians over the repeats. bookkeeping_pct: the share of the "
+            "engine's step time spent in the prefix cache's own work (hashing new full blocks and registering "
+            "them, hashing and looking up a waiting prompt), timed directly in the offline run, since 1 % is "
+            "below what two throughput runs on a shared machine can tell apart. Targets (issue 32): "
+            "x_ttft_p50_vs_off >= 5 at 90 % shared; at 0 % shared a cost <= 1 % (bookkeeping_pct; "
+            "throughput_change_pct is the noisier end-to-end view). Reported, not asserted." + shortened)
 
 
 if __name__ == "__main__":

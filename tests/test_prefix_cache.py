@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from matplotlib.colors import to_rgba
+from matplotlib.patches import Patch
 
 from engine.companions.metrics import prefix_cache_stats, trace_metrics
 from engine.companions.naive import generate_naive
@@ -272,7 +273,8 @@ def test_the_block_grid_draws_free_but_cached_blocks_in_their_own_colour():
     snap = block_snapshot(bm)
     assert sorted(snap.cached_block_ids) == [0, 1] and snap.tables == {1: [2]}
     fig = render_block_grid(snap.tables, snap.num_blocks, snap.num_tokens, BS, cached_block_ids=snap.cached_block_ids)
-    faces = {a.get_gid(): a.get_facecolor() for a in fig.axes[0].get_children() if a.get_gid()}
+    faces = {a.get_gid(): a.get_facecolor() for a in fig.axes[0].get_children()
+             if a.get_gid() and isinstance(a, Patch)}  # the cells, not their labels
     assert faces["block:0"] == faces["block:1"] == to_rgba(CACHED_COLOR)
     assert faces["block:5"] == to_rgba(FREE_COLOR)
     with pytest.raises(ValueError, match="cached_block_ids"):
