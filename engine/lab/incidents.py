@@ -65,6 +65,11 @@ OUTPUT_TOKENS = (8, 14)
 MAX_NUM_SEQS = 8
 SMALL_POOL_BLOCKS = 8  # block_size 16: room for ~3 requests of ~45 tokens, while 8 seats are open
 FLOOD_PER_STEP = 2  # the flooding tenant's requests per step (the normal pace is one per 2 steps)
+# A real flood arrives at a rate in seconds; ours is tied to steps, and the flood's steps are
+# slower (fuller batches), so in seconds the flood would look milder than it is, and on a busy
+# machine too mild for `diagnose` to call it one. Pacing every step to at least this long (above a
+# full tinylab step) makes the step the clock: arrivals per second = arrivals per step / floor.
+FLOOD_STEP_FLOOR_S = 0.012
 DETOKENIZER_DELAY_S = 0.003  # per token: ~10x what detokenizing one token costs, ~1 tinylab forward
 SYSTEM_PROMPT_TOKENS = 96  # the shared system prompt (6 blocks of 16) in the prefix-cache scenario
 USER_TOKENS = 8
@@ -106,6 +111,8 @@ class Scenario:
     at_half: Callable[[LLMEngine], None] | None = None  # what happens at the middle step
     # the quality record's names for the halves
     versions: tuple[str, str] = ("first half", "second half")
+    # each step lasts at least this long (0: as long as it takes); see FLOOD_STEP_FLOOR_S
+    step_floor_s: float = 0.0
 
 
 # ---- workloads -----------------------------------------------------------------------------------
@@ -175,7 +182,8 @@ def _tenant_flood(rng: random.Random, vocab: list[int]) -> Scenario:
              for i in range((last - _half_step() + 1) * FLOOD_PER_STEP)]
     return Scenario("tenant_flood",
                     f"halfway, tenant 'flood' sends {FLOOD_PER_STEP} requests per step",
-                    sorted(arrivals + flood, key=lambda a: a.step))
+                    sorted(arrivals + flood, key=lambda a: a.step),
+                    step_floor_s=FLOOD_STEP_FLOOR_S)
 
 
 def _prefix_cache_collapse(rng: random.Random, vocab: list[int]) -> Scenario:
@@ -303,8 +311,10 @@ def run_scenario(scenario: Scenario, model, tokenizer,
             rid = _add_arrival(engine, a, degradation, counts)
             if a.example is not None and rid is not None:
                 probes.append((a, rid))
+        started = time.perf_counter()
         engine.step()  # with nobody there, an empty step: the trace's steps stay the arrival clock
         step += 1
+        time.sleep(max(0.0, scenario.step_floor_s - (time.perf_counter() - started)))
     if probes:
         engine.trace.config["quality"] = quality_record(engine, probes, scenario.versions)
     if degradation is not None:
