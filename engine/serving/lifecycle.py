@@ -141,7 +141,7 @@ def startup_lines(openai: OpenAIServer) -> list[str]:
         f"prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}, "
         f"chunked prefill {'on' if cfg.scheduler.enable_chunked_prefill else 'off'}",
         f"trace: {kept}, {trace.summary_steps} step summaries"
-        + (f", every step to {trace.file} (rotated at {trace.file_max_bytes // 2**20} MiB)"
+        + (f", every step to {trace.file} (rotated at {trace.file_max_bytes / 2**20:g} MiB)"
            if trace.file is not None else ""),
     ]
 
