@@ -90,6 +90,12 @@ from engine.sampling import SamplingParams
 from engine.serving.admission import Admission, AdmissionLimits, Rejected
 from engine.serving.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from engine.serving.prometheus import ServerMetrics
+from engine.serving.request_body import (
+    SHOWN_INPUT_CHARS,
+    BadBody,
+    parse_json_body,
+    refuse_unsupported,
+)
 from engine.trace import TraceRetention
 
 # 1 MiB: about 250k tokens of English text, far more than any context we serve. A bigger body is
@@ -97,23 +103,6 @@ from engine.trace import TraceRetention
 MAX_REQUEST_BYTES = 1 << 20
 # OpenAI's default for /v1/completions (chat: the rest of the context)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-SHOWN_INPUT_CHARS = 60  # an error message quotes at most this much of a bad value
-# A request body's limits beyond its size: OpenAI's deepest bodies (a JSON schema for structured
-# outputs) nest a few tens of levels; Python's int() refuses more than 4,300 digits with an error
-# that names no field, and no field of ours needs more than 20 (2**64 has 20 digits).
-MAX_JSON_DEPTH = 64
-MAX_NUMBER_DIGITS = 100
-# Fields of OpenAI's and vLLM's APIs that change the answer and that we do not implement yet ->
-# the one value that asks for nothing (sent as that, or null, they are accepted)
-UNSUPPORTED_FIELDS = {
-    "response_format": None, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "logit_bias": None, "top_logprobs": None, "prompt_logprobs": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "use_beam_search": False, "length_penalty": None,
-    "allowed_token_ids": None, "bad_words": None, "include_stop_str_in_output": False,
-    "skip_special_tokens": True, "truncate_prompt_tokens": None, "prediction": None,
-    "modalities": None, "audio": None,
-}
 STARTUP_WAIT_S = 30.0  # BackgroundServer: how long to wait for uvicorn to listen
 STARTUP_POLL_S = 0.01
 # BackgroundServer.stop: how long open streams may go on before they are cut
@@ -154,73 +143,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param, code)
 
 
-def parse_json_body(body: bytes):
-    """The body as JSON, or a 400 that names the field and says what is wrong with it. Stricter
-    than `json.loads`: no NaN / Infinity (not JSON, and a temperature of Infinity samples noise),
-    no number that overflows a float (1e400) or has more than MAX_NUMBER_DIGITS digits, and at most
-    MAX_JSON_DEPTH levels of nesting (Python's parser would otherwise raise RecursionError or an
-    unnamed ValueError: a 500 that also dropped the connection)."""
-    try:
-        data = json.loads(body, parse_constant=_BadNumber.constant, parse_float=_BadNumber.float,
-                          parse_int=_BadNumber.int)
-    except RecursionError:
-        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
-                          None, "too_deep") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON ({e}); send one JSON object",
-                          None, "invalid_json") from None
-    problem = _first_problem(data)
-    if problem is not None:
-        path, message, code = problem
-        shown = path if len(path) <= SHOWN_INPUT_CHARS else path[:SHOWN_INPUT_CHARS] + "..."
-        raise bad_request(f"{shown}: {message}", path.split(".")[0].split("[")[0] or None, code)
-    return data
-
-
-class _BadNumber:
-    """What the parser puts where a number it must refuse stood, so that `_first_problem` can
-    name the field (the parser's hooks do not know where they are)."""
-
-    def __init__(self, message: str):
-        self.message = message
-
-    @staticmethod
-    def constant(name: str):
-        return _BadNumber(f"{name} is not a JSON number; send a finite number")
-
-    @staticmethod
-    def float(text: str):
-        value = float(text)
-        return value if math.isfinite(value) else _BadNumber(
-            f"{text[:SHOWN_INPUT_CHARS]} overflows a 64-bit float; send a finite number")
-
-    @staticmethod
-    def int(text: str):
-        digits = len(text.lstrip("-"))
-        return int(text) if digits <= MAX_NUMBER_DIGITS else _BadNumber(
-            f"a number of {digits} digits; at most {MAX_NUMBER_DIGITS} are accepted")
-
-
-def _first_problem(data) -> tuple[str, str, str] | None:
-    """(path, message, code) of the first refused number or of a value nested deeper than
-    MAX_JSON_DEPTH; None when there is none. Iterative: no recursion of ours to blow."""
-    todo = [(data, "", 0)]
-    while todo:
-        value, path, depth = todo.pop()
-        where = path or "the request body"
-        if isinstance(value, _BadNumber):
-            return where, value.message, "invalid_number"
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth >= MAX_JSON_DEPTH:
-            return where, f"nests deeper than {MAX_JSON_DEPTH} levels", "too_deep"
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        children = [(child, f"{path}.{key}".lstrip(".") if isinstance(key, str)
-                     else f"{path}[{key}]", depth + 1) for key, child in items]
-        todo += reversed(children)  # depth first, in document order
-    return None
-
-
 def _field_named(message: str, body: BaseModel) -> str | None:
     """The request field an engine error names ("prompt[1] = ...", "queue_timeout_s=-1 ..."), so
     that `param` says it too; None when it names none of the body's fields."""
@@ -229,16 +151,6 @@ def _field_named(message: str, body: BaseModel) -> str | None:
         if match.group(1) in fields:
             return match.group(1)
     return None
-
-
-def _refuse_unsupported(data: dict) -> None:
-    """No silent no: a field of OpenAI's or vLLM's API that would change the answer and that we do
-    not implement is refused by name (other unknown fields are ignored, as vLLM does)."""
-    for name, ignored in UNSUPPORTED_FIELDS.items():
-        if data.get(name) is not None and data[name] != ignored:
-            raise bad_request(f"{name} is not supported by this server (it would change the answer "
-                              "and we do not implement it); leave it out", name,
-                              "unsupported_field")
 
 
 def _short(value) -> str:
@@ -412,7 +324,10 @@ class OpenAIServer:
                               None, "shutting_down", "server_error")
         self._key_tenant(request)  # an unknown key is refused before we read its body
         data = await self._read_json(request)
-        _refuse_unsupported(data)
+        try:
+            refuse_unsupported(data)
+        except BadBody as e:
+            raise bad_request(e.message, e.param, e.code) from None
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -435,7 +350,10 @@ class OpenAIServer:
             body += chunk
             if len(body) > self.max_request_bytes:
                 raise self._too_large(len(body))
-        data = parse_json_body(bytes(body))
+        try:
+            data = parse_json_body(bytes(body))
+        except BadBody as e:
+            raise bad_request(e.message, e.param, e.code) from None
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object, "
                               f"got a {type(data).__name__}")
