@@ -83,7 +83,7 @@ def start_server(port: int, model: str, trace_steps: int | None, pin_malloc: boo
     raise RuntimeError("the server did not start")
 
 
-class Load:
+class Clients:
     """CLIENTS threads, each a keep-alive connection sending completions until `total` were sent."""
 
     def __init__(self, port: int, total: int, model: str):
@@ -128,7 +128,7 @@ class Load:
 def soak(requests: int, model: str, trace_steps: int | None, pin_malloc: bool) -> tuple[list[dict], dict]:
     port = free_port()
     proc = start_server(port, model, trace_steps, pin_malloc)
-    load = Load(port, requests, model)
+    load = Clients(port, requests, model)
     threads = [threading.Thread(target=load.client, args=(i,), daemon=True) for i in range(CLIENTS)]
     def row(n: int) -> dict:
         return {"pin_malloc": pin_malloc, "requests": n, "rss_mib": round(rss_bytes(proc.pid) / 2**20, 1),

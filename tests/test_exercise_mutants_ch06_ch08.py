@@ -8,35 +8,20 @@ through (issue 33).
   (weights and KV both in int8, the reserve rounded up, at the exact byte where a layout stops fitting).
 
 A mutant is the reference solution with one plausible mistake patched into one function, as in
-tests/test_exercise_mutants.py (which holds the first round): `old` must occur exactly once in that
-function. Each names the check that must fail on it; the reference must still pass every check.
+tests/test_exercise_mutants.py (which holds the first round and the machinery used here): `old` must
+occur exactly once in that function. Each names the check that must fail on it; the reference must
+still pass every check.
 """
 
 from __future__ import annotations
 
-import inspect
 import types
-from dataclasses import dataclass
 
 import pytest
 
 import exercises
 from engine.kv import prefix_cache
-
-
-@dataclass(frozen=True)
-class Mutant:
-    chapter: str
-    function: str  # the solution function the mistake is in
-    mistake: str  # what the student got wrong, in words
-    old: str
-    new: str
-    caught_by: str  # the check that must fail on it (its claim, without "check_")
-
-    @property
-    def id(self) -> str:
-        return f"{self.chapter}-{self.function}-{self.mistake}"
-
+from test_exercise_mutants import Mutant, mutated_module
 
 ROW_SUM = ("        total, start = None, 0\n",
            "        total, start = torch.zeros(*x.shape[:-1], weight.shape[0]), 0\n")
@@ -85,21 +70,6 @@ MUTANTS = [
            "vocab_size=math.ceil(model.vocab_size / tp)", "vocab_size=model.vocab_size // tp",
            "pick_layout_fits_an_int8_layout_to_the_byte"),
 ]
-
-
-def mutated_module(mutant: Mutant) -> types.ModuleType:
-    """The chapter's reference solution with the mutant's patch applied, as a fresh module."""
-    path = exercises.exercise_path(mutant.chapter, solutions=True)
-    source = path.read_text()
-    function_source = inspect.getsource(getattr(exercises.load_module(mutant.chapter, True), mutant.function))
-    assert function_source.count(mutant.old) == 1, (
-        f"{mutant.id}: {mutant.old!r} must occur exactly once in {mutant.function}; update the mutant")
-    start = source.index(function_source)
-    patched = function_source.replace(mutant.old, mutant.new)
-    module = types.ModuleType(f"exercises.solutions.{path.stem}_held_out_mutant")
-    code = compile(source[:start] + patched + source[start + len(function_source):], f"{path} (mutant)", "exec")
-    exec(code, module.__dict__)  # noqa: S102 - our own solution file with one line changed
-    return module
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
