@@ -350,6 +350,100 @@ class FastOptions:
         return {name: value for name, value in vars(self).items() if value != "auto"}
 
 
+# Speculative decoding (chapter 12): who proposes the guesses that one target step verifies.
+#   "ngram"       prompt lookup: the tokens that followed the last n tokens where they appeared before
+#   "draft_model" a smaller model with the same tokenizer (`model`: a bundled name or a folder; "self":
+#                 a copy of the target, e.g. with quantization="int4")
+#   "layer_skip"  the target's own first `num_draft_layers` layers, norm and head (no new weights)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
+# k past which a verify step stops looking like a decode step on CPU (its rows leave the
+# matrix-vector regime): a ceiling, not a default
+MAX_SPECULATIVE_TOKENS = 16
+# the draft model's weights, if quantized (engine/loading/quantization.py's weight-only schemes)
+DRAFT_QUANTIZATIONS = (None, "int8", "int4")
+# A verify step of B requests feeds B * (k + 1) rows: on 2 CPU cores a step of 8 decodes is
+# already compute-bound enough that guesses stop paying (benchmarks/results/speculative.md), so
+# from this many decodes on a step runs plain decode and records why.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: which proposer, how many guesses per step, when to switch off.
+
+    num_speculative_tokens: k, the guesses verified per request per step (a verify step feeds
+        k + 1 tokens and emits 1 to k + 1).
+    prompt_lookup_min / prompt_lookup_max: "ngram" tries suffixes of the output from max down to
+        min tokens long and proposes what followed their latest earlier occurrence.
+    model / quantization: "draft_model"'s weights ("self" copies the target) and their scheme.
+    num_draft_layers: "layer_skip"'s depth (fewer than the target's layers).
+    disable_by_batch_size: a step with at least this many decoding requests runs without guesses
+        (None: never switch off).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    quantization: str | None = None
+    num_draft_layers: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                 f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        _require(_is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+                 f"speculative_config.num_speculative_tokens must be an integer in "
+                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(_is_int(lo) and _is_int(hi) and 1 <= lo <= hi,
+                 f"speculative_config.prompt_lookup_min / prompt_lookup_max must be integers with "
+                 f"1 <= min <= max, got {lo!r} / {hi!r}")
+        _require(self.quantization in DRAFT_QUANTIZATIONS,
+                 f"speculative_config.quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                 f"got {self.quantization!r}")
+        _require(self.disable_by_batch_size is None
+                 or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+                 f"speculative_config.disable_by_batch_size must be None or an integer >= 1, "
+                 f"got {self.disable_by_batch_size!r}")
+        self._check_method_fields()
+
+    def _check_method_fields(self) -> None:
+        """Each method's own fields are given, the others' are not (no silently unused option)."""
+        needs = {"ngram": (), "draft_model": ("model",), "layer_skip": ("num_draft_layers",)}
+        owned = {"model": "draft_model", "quantization": "draft_model",
+                 "num_draft_layers": "layer_skip"}
+        for name in needs[self.method]:
+            _require(getattr(self, name) is not None,
+                     f"speculative_config.method={self.method!r} needs {name}")
+        for name, method in owned.items():
+            _require(getattr(self, name) is None or method == self.method,
+                     f"speculative_config.{name}={getattr(self, name)!r} belongs to "
+                     f"method={method!r}, not {self.method!r}: drop it")
+        if self.method == "layer_skip":
+            _require(_is_int(self.num_draft_layers) and self.num_draft_layers >= 1,
+                     f"speculative_config.num_draft_layers must be an integer >= 1, "
+                     f"got {self.num_draft_layers!r}")
+
+    @classmethod
+    def from_dict(cls, options: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A config from vLLM's dict shape (`{"method": "ngram", "num_speculative_tokens": 4}`);
+        an unknown key is refused by name."""
+        if options is None or isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(f"speculative_config must be a dict (e.g. {{'method': 'ngram', "
+                            f"'num_speculative_tokens': 4}}) or None, got {type(options).__name__}")
+        known = [f for f in cls.__dataclass_fields__]
+        unknown = sorted(set(options) - set(known))
+        _require(not unknown, f"speculative_config has unknown key(s) {unknown}; "
+                              f"known: {', '.join(known)}")
+        return cls(**options)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs beyond the weights."""
@@ -365,6 +459,8 @@ class EngineConfig:
     num_threads: int | None = None
     # defined below (chapter 08)
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+    # chapter 12: None runs one token per request per step
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_num_threads(self.num_threads)

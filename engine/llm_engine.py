@@ -46,7 +46,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, FastOptions, ParallelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    FastOptions,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_pool import PagedKVPool, PoolShape, log_kv_cache, plan_num_blocks
 from engine.kv.prefix_cache import cache_key
@@ -55,7 +62,10 @@ from engine.model import LlamaModel
 from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, ScheduledWork, SchedulerOutput
+from engine.speculative.proposer import DraftRequest, Proposer
+from engine.speculative.registry import make_proposer
+from engine.speculative.rejection import verify
 from engine.speed import accelerate
 from engine.threads import default_num_threads, torch_threads
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
@@ -79,17 +89,19 @@ def engine_config(model: str = "tinylab", dtype: str = "float32", speed: str | N
               ("fast", FastOptions))
     names = {group: {f.name for f in dataclasses.fields(cls)} for group, cls in groups}
     picked: dict[str, dict] = {group: {} for group in names}
+    # chapter 12, vLLM's shape: LLM(..., speculative_config={"method": "ngram", ...})
+    speculative = SpeculativeConfig.from_dict(options.pop("speculative_config", None))
     for key, value in options.items():
         owner = next((group for group, fields in names.items() if key in fields), None)
         if owner is None:
-            known = sorted(set().union(*names.values()))
+            known = sorted(set().union(*names.values()) | {"speculative_config"})
             raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
         picked[owner][key] = value
     speed = {} if speed is None else {"speed": speed}
     return EngineConfig(model=model, dtype=dtype, num_threads=num_threads, **speed,
                         fast=FastOptions(**picked["fast"]), cache=CacheConfig(**picked["cache"]),
                         scheduler=SchedulerConfig(**picked["scheduler"]),
-                        parallel=ParallelConfig(**picked["parallel"]))
+                        parallel=ParallelConfig(**picked["parallel"]), speculative=speculative)
 
 
 class LLMEngine:
@@ -97,7 +109,7 @@ class LLMEngine:
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, clock: Callable[[], float] = time.time,
-                 model_id: str | None = None):
+                 model_id: str | None = None, proposer: Proposer | None = None):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer, self.clock = model.eval(), tokenizer, clock
         cfg = model.config
@@ -131,6 +143,10 @@ class LLMEngine:
         log_kv_cache(self.kv_pool, self.max_model_len, config.cache)
         self.device = weight.device
         self.eos = eos_ids(model, tokenizer)
+        # chapter 12: who guesses the tokens a step verifies (None: one token per step)
+        self.speculative = config.speculative or (SpeculativeConfig() if proposer else None)
+        self.proposer = proposer or (make_proposer(self.speculative, model, tokenizer)
+                                     if self.speculative else None)
         self.requests: dict[str, Request] = {}
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
         self._events: list[dict] = []  # arrivals and aborts since the last step
@@ -247,6 +263,7 @@ class LLMEngine:
             if seq in head.pending_forks:
                 head.pending_forks.remove(seq)
             self.scheduler.finish(seq)
+            self._forget_guesses(seq)
             seq.finish("abort", now)
             self._events.append({"type": "aborted", "request_id": seq.request_id, "time": now})
             self._finished[seq.request_id] = "abort"
@@ -373,11 +390,14 @@ class LLMEngine:
         report."""
         start, t0 = self.clock(), time.perf_counter()
         s = self.scheduler
+        with torch_threads(self.num_threads):
+            self._propose()  # chapter 12: guesses for the decodes, before the scheduler budgets them
+        t_proposed = time.perf_counter()
         sched = s.schedule()
         if not sched.work and s.has_unfinished():  # a bug, not a state to wait in: fail loudly
             raise RuntimeError(f"the scheduler found nothing to run with {len(s.waiting)} waiting, "
                                f"{len(s.running)} running, {len(s.swapped)} swapped")
-        time_s = TimeSplit(schedule=time.perf_counter() - t0)
+        time_s = TimeSplit(schedule=time.perf_counter() - t_proposed, propose=t_proposed - t0)
         at_risk = [r for w in sched.work for r in (w.request, *w.request.pending_forks)]
         try:
             # one thread for small models: see engine/threads.py
@@ -392,6 +412,69 @@ class LLMEngine:
             raise
         return self._record(start, t0, time_s, scheduled, queues, blocks,
                             sched.events + finish_events)
+
+    # ---- speculative decoding (chapter 12) ---------------------------------------------------------
+    def _propose(self) -> None:
+        """Ask the proposer for guesses for every running request whose next step is a decode; the
+        scheduler then budgets 1 + len(guesses) tokens for it (or fewer, engine/scheduler.py).
+
+        No guesses at all when the step is too busy to gain (`disable_by_batch_size`), recorded as a
+        "speculation_off" event. A proposer that raises costs its guesses, not the step: the error
+        is recorded as a "speculation_error" event and the step decodes plainly."""
+        running = self.scheduler.running
+        for req in running:
+            req.draft_token_ids, req.draft_probs = [], None
+        decoding = [r for r in running if r.is_decoding]
+        if self.proposer is None or not decoding:
+            return
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(decoding) >= limit:
+            self._events.append({"type": "speculation_off",
+                                 "reason": f"{len(decoding)} decoding requests >= "
+                                           f"disable_by_batch_size={limit}"})
+            return
+        asks = [(r, DraftRequest(r.request_id, r.all_token_ids, r.params, self._draft_room(r)))
+                for r in decoding]
+        asks = [(r, a) for r, a in asks if a.num_draft_tokens > 0]
+        try:
+            proposals = self.proposer.propose([a for _, a in asks]) if asks else []
+            for (req, ask), proposal in zip(asks, proposals, strict=True):
+                req.draft_token_ids = self._checked_guesses(proposal, ask)
+                req.draft_probs = proposal.probs
+        except Exception as exc:  # noqa: BLE001 - a proposer's bug must not stop the serving
+            for req in running:
+                req.draft_token_ids, req.draft_probs = [], None
+            self._events.append({"type": "speculation_error",
+                                 "error": f"{type(exc).__name__}: {exc}"})
+            warnings.warn(f"the {self.proposer.name} proposer failed ({exc}); this step decodes "
+                          "without guesses", stacklevel=3)
+
+    def _draft_room(self, req: Request) -> int:
+        """Guesses worth making for req: k, but never past max_tokens (a verify step emits up to
+        len(guesses) + 1 tokens), which also keeps every fed position inside the context."""
+        left = req.params.max_tokens - len(req.output_token_ids)
+        return max(0, min(self.speculative.num_speculative_tokens, left - 1))
+
+    def _checked_guesses(self, proposal, ask: DraftRequest) -> list[int]:
+        """A proposal's token ids, checked: at most the guesses asked for, each in the vocabulary,
+        and a `probs` of one row per guess when given."""
+        where = f"the {self.proposer.name} proposer's guesses for request {ask.request_id!r}"
+        guesses = validate_token_ids(proposal.token_ids, self.model.config.vocab_size, where,
+                                     allow_empty=True)
+        if len(guesses) > ask.num_draft_tokens:
+            raise ValueError(f"{where}: {len(guesses)} guesses, at most "
+                             f"{ask.num_draft_tokens} were asked for")
+        probs = proposal.probs
+        if probs is not None and tuple(probs.shape) != (len(guesses),
+                                                        self.model.config.vocab_size):
+            raise ValueError(f"{where}: probs must be [{len(guesses)}, "
+                             f"{self.model.config.vocab_size}], got {tuple(probs.shape)}")
+        return guesses
+
+    def _forget_guesses(self, req: Request) -> None:
+        """req is done (finished, aborted, failed): its proposer state can go."""
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     def _record(self, start: float, t0: float, time_s: TimeSplit,
                 scheduled: list[ScheduledRequest], queues: QueueSnapshot, blocks: BlockSnapshot,
@@ -424,6 +507,7 @@ class LLMEngine:
             if req in head.pending_forks:
                 head.pending_forks.remove(req)
             self.scheduler.finish(req)
+            self._forget_guesses(req)
             req.finish("error", now)
             req.error = error
             self._finished[req.request_id] = "error"
@@ -440,8 +524,9 @@ class LLMEngine:
         self._record(start, t0, time_s, scheduled, queues, blocks, sched.events + events)
 
     def _forward_and_sample(self, sched: SchedulerOutput,
-                            time_s: TimeSplit) -> dict[Request, tuple]:
-        """Move blocks, run the packed forward, sample; returns request -> (token, logprobs).
+                            time_s: TimeSplit) -> dict[Request, list[tuple]]:
+        """Move blocks, run the packed forward, sample; returns request -> [(token, logprobs)]: one
+        pair, or 1 to k + 1 for a decode that verified k guesses (engine/speculative/rejection.py).
 
         A request about to fork its samples lends its logits row to each of them (they share the
         prompt). The forward's time is shared between prefill and decode in proportion to their
@@ -455,26 +540,39 @@ class LLMEngine:
         if not sched.work:
             return {}
         t1 = time.perf_counter()
-        owners, rows, end = [], [], 0
+        owners, rows, verifies, end = [], [], [], 0
         for w in sched.work:  # the logits hold each work's last num_scored rows, in order
             end += w.num_scored
-            if not w.samples:
-                continue
-            # a fork samples from its parent's row
-            for req in (w.request, *w.request.pending_forks):
-                owners.append(req)
-                rows.append(end - 1)
-        # [len(owners), V]
-        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        out = sample(picked, [r.sampling for r in owners], self.eos,
-                     argmax=self.acceleration.argmax)  # model dtype: plain greedy rows need no copy
+            if w.draft_token_ids:  # rows [end - k - 1, end): verified below
+                verifies.append((w, end - w.num_scored, end))
+            elif w.samples:
+                # a fork samples from its parent's row
+                for req in (w.request, *w.request.pending_forks):
+                    owners.append(req)
+                    rows.append(end - 1)
+        sampled = self._sample(logits, owners, rows)
+        for w, lo, hi in verifies:
+            req = w.request
+            q = None if req.draft_probs is None else req.draft_probs[:len(w.draft_token_ids)]
+            sampled[req] = verify(logits[lo:hi], w.draft_token_ids, req.sampling, self.eos, q,
+                                  argmax=self.acceleration.argmax)
         time_s.sample = time.perf_counter() - t1
         n_prefill = sum(w.end - w.start for w in sched.work if w.phase == "prefill")
         n_all = sum(w.end - w.start for w in sched.work)
         time_s.prefill = (t1 - t0) * n_prefill / n_all
         time_s.decode = (t1 - t0) - time_s.prefill
-        return dict(zip(owners, zip(out.token_ids.tolist(), out.logprobs, strict=True),
-                        strict=True))
+        return sampled
+
+    def _sample(self, logits, owners: list[Request], rows: list[int]) -> dict[Request, list[tuple]]:
+        """One token for each owner, from its row of the logits [S, V]."""
+        if not owners:
+            return {}
+        # [len(owners), V]
+        picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        out = sample(picked, [r.sampling for r in owners], self.eos,
+                     argmax=self.acceleration.argmax)  # model dtype: plain greedy rows need no copy
+        return {req: [pair] for req, pair in zip(owners, zip(out.token_ids.tolist(), out.logprobs,
+                                                             strict=True), strict=True)}
 
     def _update(self, sched: SchedulerOutput, sampled: dict,
                 start: float) -> tuple[list[ScheduledRequest], list[dict]]:
@@ -486,14 +584,17 @@ class LLMEngine:
             req = w.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = start
+            emitted = sampled.get(req, [])
+            if w.draft_token_ids:
+                scheduled.append(self._accept(w, emitted, now, events))
+                continue
             # the forward wrote K/V for positions < w.end: its full blocks can now be shared
             # (chapter 06)
             self.block_manager.cache_blocks(req.seq_id, req.all_token_ids, req.cache_key, w.end)
-            token, logprobs = sampled.get(req, (None, None))
-            new = [] if token is None else [token]
+            new = [token for token, _ in emitted]
             scheduled.append(ScheduledRequest(req.request_id, w.phase, w.start, w.end, len(new),
                                               new))
-            if token is None:
+            if not emitted:
                 continue
             forks, req.pending_forks = req.pending_forks, []
             for child in forks:  # before req may finish and free the blocks they share
@@ -504,8 +605,35 @@ class LLMEngine:
                 scheduled.append(ScheduledRequest(child.request_id, "prefill", w.end, w.end, 1,
                                                   [sampled[child][0]]))
             for seq in (req, *forks):
-                self._append(seq, *sampled[seq], now, events)
+                self._append(seq, *sampled[seq][0], now, events)
         return scheduled, events
+
+    def _accept(self, w: ScheduledWork, emitted: list[tuple], now: float,
+                events: list[dict]) -> ScheduledRequest:
+        """A verify step's outcome for one request: roll back the slots of the rejected guesses,
+        let the prefix cache see the blocks that now hold real tokens only, append the emitted
+        tokens (stopping where a stop rule fires), and say what happened.
+
+            fed       o5 g1 g2 g3      emitted: g1 t2  (g1 kept, g2 rejected, t2 the target's)
+            K/V       ok ok .. ..      the slots of g2, g3 are rolled back; t2 is fed next step
+        """
+        req, guesses = w.request, w.draft_token_ids
+        kept = len(emitted) - 1
+        rejected = len(guesses) - kept
+        if rejected:
+            self.block_manager.rollback(req.seq_id, rejected)
+            req.num_computed_tokens -= rejected
+        # positions < w.end - rejected now hold the K/V of real tokens: the old ones + kept guesses
+        self.block_manager.cache_blocks(req.seq_id, req.all_token_ids + guesses[:kept],
+                                        req.cache_key, w.end - rejected)
+        new = []
+        for token, logprobs in emitted:
+            new.append(token)
+            self._append(req, token, logprobs, now, events)
+            if req.is_finished:  # a stop rule fired: the tokens after it are not output
+                break
+        return ScheduledRequest(req.request_id, w.phase, w.start, w.end, len(new), new,
+                                list(guesses), kept)
 
     def _append(self, req: Request, token: int, logprobs, now: float, events: list[dict]) -> None:
         if req.first_token_time is None:
@@ -513,6 +641,7 @@ class LLMEngine:
         if req.append_token(token, logprobs):
             req.finish(req.finish_reason, now)
             self.scheduler.finish(req)
+            self._forget_guesses(req)
             self._finished[req.request_id] = req.finish_reason
             events.append({"type": "finished", "request_id": req.request_id,
                            "reason": req.finish_reason})

@@ -122,6 +122,11 @@ class Request:
     error: str | None = None  # with finish_reason "error": the exception of the step that failed it
     # the prefix cache's extra keys: (model id, template version, scope); prefix_cache.py
     cache_key: tuple = ()
+    # speculative decoding (chapter 12): this step's guesses for the tokens after the last one, and
+    # the distribution each was drawn from ([k, V], None: chosen deterministically); the engine
+    # sets them before scheduling, the scheduler may cut them to fit
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: object = None
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, prompt_ids=list(self.prompt_token_ids))

@@ -143,14 +143,18 @@ def build_batch(work: list[ScheduledWork], block_manager: BlockManager,
     decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
     for w in work:
         lo = len(ids)
-        ids += w.request.all_token_ids[w.start:w.end]
+        ids += w.fed_token_ids()
         positions += range(w.start, w.end)
         slots += w.slots
         table = block_manager.block_table(w.request.seq_id)
         if w.phase == "decode":
-            decode_rows.append(lo)
-            decode_tables.append(table)
-            decode_lens.append(w.end)
+            # One decode row per fed token: a verify step's k + 1 rows share one block table and
+            # row i reads i + 1 more positions than the cache held (every layer writes all rows'
+            # K/V before any row attends, so row i sees the guesses before it: causal).
+            for i in range(w.end - w.start):
+                decode_rows.append(lo + i)
+                decode_tables.append(table)
+                decode_lens.append(w.start + i + 1)
         else:
             prefills.append(PrefillChunk(lo, len(ids),
                                          torch.tensor(table, dtype=INDEX, device=device),

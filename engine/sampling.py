@@ -285,7 +285,7 @@ def apply_logits_processors(logits: torch.Tensor, processors: Sequence[LogitsPro
     return logits
 
 
-def _top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
+def top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
     if k is None:
         return None
     logprobs = torch.log_softmax(logits, dim=-1)  # [V]
@@ -294,22 +294,37 @@ def _top_logprobs(logits: torch.Tensor, token: int, k: int | None) -> TokenLogpr
     return TokenLogprobs(token, float(logprobs[token]), ranked)
 
 
-def _sample_row(logits: torch.Tensor, state: SamplingState,
-                eos_token_ids: Sequence[int]) -> tuple[int, TokenLogprobs | None]:
+def processed_logits(logits: torch.Tensor, state: SamplingState,
+                     eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """One row [V] after everything that depends on the request's history: penalties, the EOS ban
+    before min_tokens, the logits processors. Greedy takes its argmax; logprobs describe it."""
     params = state.params
     logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids,
                              params.repetition_penalty, params.presence_penalty,
                              params.frequency_penalty)
     logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
-    logits = apply_logits_processors(logits, params.logits_processors, state.output_ids)
+    return apply_logits_processors(logits, params.logits_processors, state.output_ids)
+
+
+def sampling_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [V] a sampled (temperature > 0) token is drawn from: `processed_logits`
+    through temperature, top-k, top-p and min-p, then softmax. Speculative sampling
+    (engine/speculative/rejection.py) must keep exactly this distribution."""
+    filtered = dict(_filter_stages(processed, params))["min_p"]  # the last stage
+    return torch.softmax(filtered, dim=-1)
+
+
+def _sample_row(logits: torch.Tensor, state: SamplingState,
+                eos_token_ids: Sequence[int]) -> tuple[int, TokenLogprobs | None]:
+    params = state.params
+    logits = processed_logits(logits, state, eos_token_ids)
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
-        filtered = dict(_filter_stages(logits, params))["min_p"]  # the last stage
-        probs = torch.softmax(filtered, dim=-1).to(state.generator.device)
+        probs = sampling_probs(logits, params).to(state.generator.device)
         token = int(torch.multinomial(probs, 1, generator=state.generator))
     # Like vLLM, logprobs describe the model after penalties but before temperature and filters.
-    return token, _top_logprobs(logits, token, params.logprobs)
+    return token, top_logprobs(logits, token, params.logprobs)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -328,7 +343,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
                          f"got {tuple(logits.shape)}")
     eos = ([] if eos_token_ids is None
            else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
-    plain = [i for i, state in enumerate(rows) if _plain_greedy(state)]
+    plain = [i for i, state in enumerate(rows) if is_plain_greedy(state)]
     # Every plain greedy row in ONE argmax over [P, V]: the same tokens as row by row (argmax keeps
     # the first of equal maxima either way), without a copy and a call per row (which a
     # 64-sequence decode step pays 64 times over).
@@ -344,7 +359,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
     return SamplerOutput(token_ids, [logprobs for _, logprobs in picked])
 
 
-def _plain_greedy(state: SamplingState) -> bool:
+def is_plain_greedy(state: SamplingState) -> bool:
     """Greedy with nothing that changes the logits first (no penalty, no banned EOS before
     min_tokens, no logits processor) and no logprobs asked for: its token is simply the argmax of
     its logits row."""

@@ -63,9 +63,13 @@ class ScheduledWork:
 
     A plain step scores one position, the last, when `end` is the request's last known token (it
     samples the next token from it), and none for a prefill chunk that stops short of the prompt's
-    end. A step that verifies k guessed tokens feeds them and scores all k + 1 positions
-    (`scored=k + 1`): the logits at each say whether the next guess was right (speculative
-    decoding).
+    end. A decode that verifies k guessed tokens (speculative decoding, chapter 12) feeds its last
+    token and the k guesses, positions [start, start + k + 1), and scores all k + 1 of them
+    (`scored=k + 1`): the logits at each say whether the next guess was right.
+
+        all_token_ids  ... o4 o5 |                  num_tokens = start + 1
+        fed                 o5 g1 g2 g3             draft_token_ids = [g1, g2, g3], end = start + 4
+        scored              r0 r1 r2 r3             r_i: the target's logits after the i-th fed token
     """
 
     request: Request
@@ -74,6 +78,7 @@ class ScheduledWork:
     phase: str  # "prefill" or "decode"
     slots: list[int]  # KV slot of each fed position
     scored: int | None = None  # positions whose logits are kept; None: 1 if it samples, else 0
+    draft_token_ids: list[int] = field(default_factory=list)  # guesses fed after the last token
 
     def __post_init__(self) -> None:
         if self.scored is not None and not 0 <= self.scored <= self.end - self.start:
@@ -82,7 +87,13 @@ class ScheduledWork:
 
     @property
     def samples(self) -> bool:
-        return self.end == self.request.num_tokens
+        """Does this work end at the request's last known token (so it chooses the next)?"""
+        return self.end - len(self.draft_token_ids) == self.request.num_tokens
+
+    def fed_token_ids(self) -> list[int]:
+        """The tokens at positions [start, end): the request's own, then any guesses."""
+        known = self.request.all_token_ids[self.start:self.end]
+        return known + self.draft_token_ids if self.draft_token_ids else known
 
     @property
     def num_scored(self) -> int:
@@ -179,8 +190,9 @@ class Scheduler:
             # a static batch's request holds no block until it first runs
             hit = self._cached_prefix(req)
             n = self._num_new_tokens(req, out.budget_left, hit)
-            if n and self._make_room(req, n, out, scheduled, hit):
-                self._schedule(req, n, out, hit)
+            k = self._guesses_that_fit(req, n, out)
+            if n and self._make_room(req, n + k, out, scheduled, hit):
+                self._schedule(req, n + k, out, hit, req.draft_token_ids[:k])
                 scheduled.add(req.seq_id)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
@@ -260,10 +272,28 @@ class Scheduler:
             return min(remaining, chunk, budget_left)
         return remaining if remaining <= budget_left else 0
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput, hit: list[int] = ()) -> None:
+    def _guesses_that_fit(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """How many of a decoding request's guesses (chapter 12) this step verifies: as many as the
+        token budget and the free KV blocks allow WITHOUT preempting anyone (a guess is a bet; it
+        never costs another request its seat). Guesses that do not fit are dropped, with why."""
+        guesses = req.draft_token_ids
+        if not guesses or n != 1 or not req.is_decoding:
+            return 0
+        k = min(len(guesses), out.budget_left - 1)
+        why = "token budget"
+        while k and not self.block_manager.can_append_slots(req.seq_id, 1 + k):
+            k, why = k - 1, "no free KV block"
+        if k < len(guesses):
+            out.events.append({"type": "drafts_cut", "request_id": req.request_id,
+                               "proposed": len(guesses), "kept": k, "reason": why})
+        return k
+
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput, hit: list[int] = (),
+                  guesses: list[int] = ()) -> None:
         """Reserve KV slots for n more tokens of req (the caller checked there is room) and record
         it. `hit`: the cached blocks a request that holds no blocks yet starts with (prefix
-        caching)."""
+        caching). `guesses`: the last len(guesses) of the n tokens are a proposer's guesses, fed
+        after req's last token to be verified (chapter 12); the engine rolls back the rejected."""
         bm = self.block_manager
         if req.seq_id in bm:
             appended = bm.append_slots(req.seq_id, n)
@@ -288,7 +318,8 @@ class Scheduler:
         phase = "decode" if req.is_decoding else "prefill"
         req.num_computed_tokens = start + n
         out.budget_left -= n
-        out.work.append(ScheduledWork(req, start, start + n, phase, slots))
+        scored = len(guesses) + 1 if guesses else None
+        out.work.append(ScheduledWork(req, start, start + n, phase, slots, scored, list(guesses)))
 
     def _has_room(self, req: Request, n: int, hit: list[int] = ()) -> bool:
         bm = self.block_manager

@@ -72,12 +72,14 @@ class TimeSplit:
     schedule: float = 0.0
     prefill: float = 0.0
     decode: float = 0.0
-    sample: float = 0.0
+    sample: float = 0.0  # with speculative decoding: verifying the guesses too
     other: float = 0.0
+    propose: float = 0.0  # speculative decoding's proposer (chapter 12); 0 without one
 
     @property
     def total(self) -> float:
-        return self.schedule + self.prefill + self.decode + self.sample + self.other
+        return (self.schedule + self.prefill + self.decode + self.sample + self.other
+                + self.propose)
 
 
 @dataclass
@@ -91,6 +93,10 @@ class ScheduledRequest:
     end: int  # one past the last position fed
     tokens_out: int  # tokens sampled this step: 1, or 0 for a prefill chunk that is not the last
     new_token_ids: list[int] = field(default_factory=list)
+    # speculative decoding (chapter 12): the guesses this decode fed after its last token (so
+    # end - start = 1 + len(draft_token_ids)) and how many of them the target kept (None: no guess)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted: int | None = None
 
     @property
     def tokens_in(self) -> int:
