@@ -145,7 +145,8 @@ class LLMEngine:
         self.eos = eos_ids(model, tokenizer)
         # chapter 12: who guesses the tokens a step verifies (None: one token per step)
         self.speculative = config.speculative or (SpeculativeConfig() if proposer else None)
-        self.proposer = proposer or (make_proposer(self.speculative, model, tokenizer)
+        self.proposer = proposer or (make_proposer(self.speculative, model, tokenizer, config,
+                                                   self.num_threads)
                                      if self.speculative else None)
         self.requests: dict[str, Request] = {}
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))

@@ -558,3 +558,68 @@ def prefix_cache_stats(trace: Trace, tenant: str | None = None) -> PrefixCacheSt
                     queries += e["num_query_tokens"]
                     hits += e["num_tokens"]
     return PrefixCacheStats(queries, hits)
+
+
+# ---- speculative decoding (chapter 12) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Guesses and what became of them over a run, counted as vLLM's spec-decode metrics do.
+
+    num_drafts: request-steps that verified at least one guess; num_draft_tokens: guesses fed;
+    num_accepted_tokens: guesses the target kept; accepted_per_position[i]: drafts whose (i+1)-th
+    guess was kept (a guess can only be kept if every guess before it was);
+    num_emitted_tokens: tokens those verify steps output (kept guesses + the target's own, less
+    any cut by a stop rule)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    num_emitted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept guesses / guesses (nan when nothing was guessed)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else math.nan
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify step yields on average, the target's own one included (vLLM's
+        1 + accepted / drafts); nan without drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else math.nan
+
+    def acceptance_by_position(self) -> list[float]:
+        """Share of drafts whose (i+1)-th guess was kept, for each position i (vLLM's per-position
+        acceptance: accepted at position i / drafts)."""
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+    def as_dict(self) -> dict:
+        return {"spec_num_drafts": self.num_drafts,
+                "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_acceptance_rate": self.acceptance_rate,
+                "spec_mean_acceptance_length": self.mean_acceptance_length,
+                "spec_accepted_per_position": list(self.accepted_per_position)}
+
+
+def spec_decode_stats(trace: Trace | Iterable) -> SpecDecodeStats:
+    """Count every verify step of a trace (or of an iterable of StepReports): the scheduled
+    requests with `draft_token_ids`."""
+    steps = trace.steps if hasattr(trace, "steps") else trace
+    drafts = guesses = accepted = emitted = 0
+    per_position: list[int] = []
+    for report in steps:
+        for s in report.scheduled:
+            if not s.draft_token_ids:
+                continue
+            drafts += 1
+            guesses += len(s.draft_token_ids)
+            accepted += s.num_accepted or 0
+            emitted += s.tokens_out
+            per_position += [0] * (len(s.draft_token_ids) - len(per_position))
+            for i in range(s.num_accepted or 0):
+                per_position[i] += 1
+    return SpecDecodeStats(drafts, guesses, accepted, tuple(per_position), emitted)
