@@ -565,9 +565,7 @@ class LLMEngine:
         return sampled
 
     def _sample(self, logits, owners: list[Request], rows: list[int]) -> dict[Request, list[tuple]]:
-        """One token for each owner, from its row of the logits [S, V]."""
-        if not owners:
-            return {}
+        """One token for each owner, from its row of the logits [S, V] (none: an empty call)."""
         # [len(owners), V]
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
         out = sample(picked, [r.sampling for r in owners], self.eos,
