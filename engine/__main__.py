@@ -20,6 +20,39 @@ SPEED_HELP = ("reference: the readable path only (Python layers, reference atten
               "fast: the fast wing (engine/fast/), the default")
 
 
+SPECULATIVE_HELP = ("chapter 12: vLLM's speculative_config as JSON, e.g. "
+                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                    "(methods: ngram, draft_model, layer_skip)")
+
+
+def speculative_config_arg(text: str) -> dict:
+    """--speculative-config's JSON object (argparse shows the ValueError's message)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}); give an object like "
+                                         "'{\"method\": \"ngram\", "
+                                         "\"num_speculative_tokens\": 4}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def print_speculation(engine) -> None:
+    """After a run with speculative decoding: how many guesses were made and kept (stderr)."""
+    if engine.proposer is None:
+        return
+    from engine.companions.metrics import spec_decode_stats
+
+    s = spec_decode_stats(engine.trace)
+    print(f"[speculative: {engine.proposer.name} k={engine.speculative.num_speculative_tokens}, "
+          f"{s.num_drafts} verify steps, {s.num_accepted_tokens}/{s.num_draft_tokens} guesses kept "
+          f"({s.acceptance_rate:.0%}), {s.mean_acceptance_length:.2f} tokens per verify step]",
+          file=sys.stderr, flush=True)
+
+
 def print_speed(engine) -> None:
     """One line per choice the engine's speed made, with its reason
     (stderr: the text stays clean)."""
@@ -30,7 +63,8 @@ def print_speed(engine) -> None:
 
 
 def cmd_generate(args) -> None:
-    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or args.speed is not None:
+    if (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or args.speed is not None
+            or args.speculative_config is not None):
         return cmd_generate_engine(args)
     cmd_generate_loop(args)
 
@@ -71,11 +105,12 @@ def cmd_generate_engine(args) -> None:
     from engine.sampling import SamplingParams
 
     if args.no_cache:
-        raise ValueError("--no-cache runs chapter 01's loop, which has no --speed or parallel "
-                         "split; drop one")
+        raise ValueError("--no-cache runs chapter 01's loop, which has no --speed, parallel "
+                         "split or --speculative-config; drop one")
     llm = LLM(args.model, dtype=args.dtype, speed=args.speed,
               tensor_parallel_size=args.tensor_parallel_size,
-              pipeline_parallel_size=args.pipeline_parallel_size, num_threads=args.threads)
+              pipeline_parallel_size=args.pipeline_parallel_size, num_threads=args.threads,
+              speculative_config=args.speculative_config)
     print_speed(llm.engine)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -90,6 +125,7 @@ def cmd_generate_engine(args) -> None:
               f"{seconds:.2f} s  speed={llm.engine.config.speed}  "
               f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}, "
               f"{llm.engine.num_threads} torch thread(s) per rank{moved}]")
+        print_speculation(llm.engine)
     finally:
         llm.engine.shutdown()
 
@@ -259,7 +295,8 @@ def cmd_serve(args) -> None:
                "max_num_batched_tokens": args.max_num_batched_tokens,
                "enable_chunked_prefill": args.enable_chunked_prefill, "block_size": args.block_size,
                "enable_prefix_caching": args.enable_prefix_caching,
-               "default_tenant_max_running": args.tenant_max_running}
+               "default_tenant_max_running": args.tenant_max_running,
+               "speculative_config": args.speculative_config}
     # bad flags: before loading
     limits, keys = limits_from_args(args), api_keys_from_args(args.api_key)
     trace = TraceRetention.server(args.trace_steps, args.trace_file,
@@ -318,6 +355,8 @@ def _add_serve_parsers(sub) -> None:
                    default=None, help="share the KV blocks of common prompt prefixes (chapter 06); "
                                       "on by default, --no-enable-prefix-caching turns it off")
     s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help=SPECULATIVE_HELP)
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds SIGTERM lets the requests in flight finish before they are "
                         "aborted (default 30: engine/serving/lifecycle.py); a second signal "
@@ -371,6 +410,8 @@ def main(argv=None) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-cache", action="store_true", help="use chapter 01's naive loop")
+    g.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help=SPECULATIVE_HELP)
     g.add_argument("--speed", default=None, choices=SPEEDS,
                    help="run the paged engine at this speed (" + SPEED_HELP + "); without it, "
                    "chapter 03's contiguous-cache loop")

@@ -10,7 +10,10 @@ What /metrics exposes; every series carries the label `model_name` (the served m
     counters    vllm:prompt_tokens_total, vllm:generation_tokens_total,
                 vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total,
                 vllm:num_preemptions_total, vllm:request_success_total{finished_reason},
-                vllm:admission_rejections_total{reason}, vllm:request_aborts_total{reason}
+                vllm:admission_rejections_total{reason}, vllm:request_aborts_total{reason},
+                vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+                vllm:spec_decode_num_accepted_tokens_total,
+                vllm:spec_decode_num_accepted_tokens_per_pos_total{position} (chapter 12)
     gauges      vllm:num_requests_running, vllm:num_requests_waiting,
                 vllm:num_requests_swapped, vllm:kv_cache_usage_perc
 
@@ -27,7 +30,8 @@ Prometheus samples, through four hooks:
                 `request_observations(timing)` from engine/companions/metrics.py, the one place
                 latencies are computed; prompt tokens and successes are counted from it too.
     on_step     after every engine step, with its `StepReport` (engine/trace.py): tokens out,
-                "preempted" events, prefix-cache queries and hits (`prefix_cache_stats`).
+                "preempted" events, prefix-cache queries and hits (`prefix_cache_stats`), guesses
+                verified and kept (`spec_decode_stats`).
     on_reject   the server, when admission turns a request away (engine/serving/admission.py);
     on_abort    AsyncLLMEngine, when a request is aborted (timeouts, disconnects, cancels).
 
@@ -57,6 +61,7 @@ from engine.companions.metrics import (
     RequestTiming,
     prefix_cache_stats,
     request_observations,
+    spec_decode_stats,
 )
 from engine.llm_engine import LLMEngine
 from engine.serving.async_engine import AsyncLLMEngine
@@ -119,6 +124,15 @@ class ServerMetrics:
                                  "Requests aborted before they finished, by reason "
                                  "(queue_timeout, request_timeout, client_disconnect, cancelled).",
                                  "reason")
+        self.spec_drafts = make(Counter, "vllm:spec_decode_num_drafts",
+                                "Verify steps of a request with at least one guess (chapter 12).")
+        self.spec_draft_tokens = make(Counter, "vllm:spec_decode_num_draft_tokens",
+                                      "Guessed tokens verified.")
+        self.spec_accepted = make(Counter, "vllm:spec_decode_num_accepted_tokens",
+                                  "Guessed tokens the target kept.")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Guesses kept, by position in the draft (0 first).",
+                                             ["model_name", "position"], registry=registry)
         self.running = make(Gauge, "vllm:num_requests_running",
                             "Sequences holding KV blocks (running).")
         self.waiting = make(Gauge, "vllm:num_requests_waiting", "Sequences waiting for a seat.")
@@ -135,6 +149,13 @@ class ServerMetrics:
         self.prefix_queries.inc(stats.queries)
         self.prefix_hits.inc(stats.hits)
         self.preemptions.inc(sum(e.get("type") == "preempted" for e in report.events))
+        spec = spec_decode_stats([report])
+        if spec.num_drafts:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted.inc(spec.num_accepted_tokens)
+            for position, n in enumerate(spec.accepted_per_position):
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(n)
 
     def on_abort(self, request_id: str, reason: str) -> None:
         self.aborts.labels(self.model_name, reason).inc()
