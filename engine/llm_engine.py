@@ -62,7 +62,7 @@ from engine.model import LlamaModel
 from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample
-from engine.scheduler import Scheduler, ScheduledWork, SchedulerOutput
+from engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from engine.speculative.proposer import DraftRequest, Proposer
 from engine.speculative.registry import make_proposer
 from engine.speculative.rejection import verify

@@ -258,4 +258,31 @@ FULL_HINTS: dict[str, dict[str, str]] = {
             "([], []) for no splits; mid = (splits[0].arrival_time + splits[-1].arrival_time) / "
             "2; the first half has arrival_time < mid, the second arrival_time >= mid."),
     },
+    "ch12": {
+        "accept_guess": (
+            "return u * q_guess < p_guess: the same as u < p / q without dividing. Strictly "
+            "less, so p = 0 is never kept (not even at u = 0); for p >= q it is always true. No "
+            "comparison of p with q alone: the draw u is what makes the rule exact."),
+        "residual_distribution": (
+            "rest = torch.clamp(p - q, min=0.0) (a new tensor, p and q untouched); total = "
+            "rest.sum(); raise a ValueError naming p and q if total <= 0; return rest / total."),
+        "greedy_verify": (
+            "ValueError naming target_argmax unless len(target_argmax) == len(guesses) + 1. Walk "
+            "zip(guesses, target_argmax): append the target's token; if it differs from the "
+            "guess, return at once. After the loop (every guess kept), append target_argmax[-1], "
+            "the bonus."),
+        "expected_tokens_per_step": (
+            "ValueError naming alpha unless 0 <= alpha <= 1 (that also refuses nan), one naming k "
+            "unless it is an int >= 0; at alpha == 1 return float(k + 1); else (1 - alpha ** (k + "
+            "1)) / (1 - alpha), the sum 1 + alpha + ... + alpha^k."),
+        "best_k": (
+            "ValueError naming cost_of_k if it is empty or a cost is <= 0. For k in "
+            "sorted(cost_of_k): rate = expected_tokens_per_step(alpha, k) / cost_of_k[k]; keep "
+            "the k whose rate is strictly larger than the best so far (a tie keeps the smaller)."),
+        "rollback_block_table": (
+            "ValueError naming n unless 0 <= n <= num_tokens; keep = ceil((num_tokens - n) / "
+            "block_size) blocks, in integers (num_tokens - n + block_size - 1) // block_size. For "
+            "each block in table[keep:]: refcounts[block] -= 1, and it is freed only if that "
+            "leaves 0. Return (list(table[:keep]), the freed blocks in table order)."),
+    },
 }

@@ -25,7 +25,7 @@ from engine.sampling import SamplingParams, SamplingState, processed_logits, sam
 from engine.speculative import rejection
 from engine.speculative.ngram import NgramProposer, ngram_guess
 from engine.speculative.proposer import DraftRequest, Proposal
-from engine_fixtures import VOCAB, random_model
+from engine_fixtures import VOCAB
 from test_engine_fuzz import MODEL, FailSwitch, Trial, check_invariants, naive_tokens
 
 NUM_SPEC_TRIALS = 24

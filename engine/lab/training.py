@@ -30,7 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from engine.config import ModelConfig
 from engine.lab import tasks
-from engine.loading.loader import hf_weight_names
+from engine.loading.loader import bundled_model_path, hf_weight_names
 from engine.model import LlamaModel, NoCacheAttention
 from engine.progress import progress_bar
 
@@ -92,6 +92,9 @@ class TrainConfig:
     probe_n: int = 64  # probe examples per task
     # reuse this tokenizer.json (token ids stay comparable) instead of training one
     tokenizer_path: str | None = None
+    # a teacher (folder or bundled name, e.g. "tinylab"): learn its next-token distribution
+    # instead of the corpus' tokens (see `distill_loss`); its tokenizer must be ours
+    distill_from: str | None = None
     bf16_autocast: bool = True
     seed: int = 0
     # save the folder now and then, so a stopped run still leaves a model
@@ -151,6 +154,18 @@ RECIPES = {
         decay_steps=1_500, lr=1.5e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0,
         pointer_words=True, curriculum_steps=1_500, curriculum_facts=(8, 40), drill_multiplier=3.0,
         drill_questions=16, repeat_share=0.3, context_stages=((1_500, 256),), recall_questions=8,
+        arith_unequal_share=0.4, probe_every=250, probe_n=48, checkpoint_every_steps=250,
+        mix={"arith": 0.30, "recall": 0.42, "json": 0.15, "refuse": 0.05, "story": 0.08}),
+    # a draft for speculative decoding with tinylab as the target (issue 30): tinylab's tokenizer,
+    # 2 layers of width 128 (1.9 MB), taught tinylab's own next-token distribution (`distill_loss`)
+    # in about 12 minutes on one thread; engine/models/tinylab-draft/README.md says why each choice
+    "draft": dict(
+        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352,
+        tokenizer_path=str(bundled_model_path("tinylab") / "tokenizer.json"),
+        distill_from="tinylab", bf16_autocast=True, batch_rows=4, total_tokens=2_000 * 2048,
+        warmup_steps=50, decay_steps=500, lr=3e-3, min_lr_fraction=0.05, pointer_loss_weight=1.0,
+        pointer_words=True, curriculum_steps=500, curriculum_facts=(8, 40), drill_multiplier=3.0,
+        drill_questions=16, repeat_share=0.3, context_stages=((500, 256),), recall_questions=8,
         arith_unequal_share=0.4, probe_every=250, probe_n=48, checkpoint_every_steps=250,
         mix={"arith": 0.30, "recall": 0.42, "json": 0.15, "refuse": 0.05, "story": 0.08}),
 }
@@ -436,6 +451,39 @@ def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
     return (nll * w).sum() / w.sum().clamp(min=1.0)
 
 
+def distill_loss(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
+                 backend: NoCacheAttention | None = None) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions at the weighted positions.
+
+    A draft for speculative decoding is good when its argmax is the *target's* argmax, right or
+    wrong, so we teach it the target's whole distribution instead of the corpus' one token: where
+    the corpus draws a story's place at random, the target has a favourite, and that favourite is
+    what a verify step accepts (knowledge distillation, Hinton et al. 2015; DistillSpec, 2023).
+    Position t predicts token t+1 and counts with token t+1's weight, as in `weighted_loss`."""
+    logits = model(ids[:, :-1], backend=backend)  # [B, T-1, V]
+    with torch.no_grad():
+        teacher_logits = teacher(ids[:, :-1])  # [B, T-1, V]
+    w = weights[:, 1:]  # [B, T-1]
+    keep = w > 0
+    log_q = logits[keep].float().log_softmax(-1)  # [N, V]: the N weighted positions
+    log_p = teacher_logits[keep].float().log_softmax(-1)  # [N, V]
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [N]
+    return (kl * w[keep]).sum() / w[keep].sum().clamp(min=1.0)
+
+
+def load_teacher(cfg: TrainConfig, tok: Tokenizer) -> LlamaModel:
+    """The frozen target of `distill_loss`; it must read our token ids as we do."""
+    from engine.loading.loader import load_model, resolve_model_path
+
+    teacher, _ = load_model(cfg.distill_from)
+    theirs = Tokenizer.from_file(str(resolve_model_path(cfg.distill_from) / "tokenizer.json"))
+    if theirs.to_str() != tok.to_str():
+        raise ValueError(f"distill_from={cfg.distill_from!r} has another tokenizer than the one "
+                         f"we train with (tokenizer_path={cfg.tokenizer_path!r}); pass the "
+                         "teacher's own tokenizer.json as tokenizer_path")
+    return teacher.eval().requires_grad_(False)
+
+
 class KeepOneHead(NoCacheAttention):
     """Causal attention as usual,
     but keep one head's q and k (after RoPE) of one layer for `pointer_loss`."""
@@ -510,6 +558,10 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     if resume_from is not None and previous.exists():
         log["previous"] = json.loads(previous.read_text())
     probe_set = probe_examples(cfg.probe_n) if cfg.probe_every else {}
+    teacher = load_teacher(cfg, tok) if cfg.distill_from else None
+    # a draft's probe also measures its agreement with the teacher
+    runs = (target_runs(teacher, tok, cfg.probe_n, PROBE_SEED)
+            if teacher is not None and probe_set else {})
     log["probe"] = []
     bar = progress_bar(zip(range(start_step, cfg.steps),
                            batches(tok, cfg, cfg.seed + start_step, start_step), strict=False),
@@ -521,7 +573,8 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-            loss = weighted_loss(model, ids, weights, kept)
+            loss = (distill_loss(model, teacher, ids, weights, kept) if teacher is not None
+                    else weighted_loss(model, ids, weights, kept))
             aux = pointer_loss(kept, pointers) if cfg.pointer_loss_weight else torch.zeros(())
         opt.zero_grad(set_to_none=True)
         (loss + cfg.pointer_loss_weight * aux).backward()
@@ -535,7 +588,9 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=log["tokens_per_s"][-1])
         if probe_set and ((step + 1) % cfg.probe_every == 0 or step + 1 == cfg.steps):
             log["probe"].append(dict(step=step + 1, seconds=round(time.perf_counter() - start, 1),
-                                     **probe(model, tok, probe_set)))
+                                     **probe(model, tok, probe_set),
+                                     **{f"agree_{task}": a["agreement"]
+                                        for task, a in greedy_agreement(model, runs).items()}))
             print("probe", json.dumps(log["probe"][-1]), flush=True)
         if (step + 1) % cfg.checkpoint_every_steps == 0:
             save_hf_folder(model, tok, out_dir,
@@ -549,6 +604,8 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     # a shared machine: wall time overstates
     log["cpu_seconds"] = round(time.process_time() - cpu_start, 1)
     log["threads"] = torch.get_num_threads()
+    if teacher is not None:  # the draft's acceptance rate, on held-out prompts (after the clock)
+        log["agreement"] = greedy_agreement(model, target_runs(teacher, tok, AGREEMENT_N))
     save_hf_folder(model, tok, out_dir, log)
     torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
     return log
@@ -617,6 +674,62 @@ def probe(model: LlamaModel, tok: Tokenizer,
                     if ex.meta["context_tokens"] >= LONG_RECALL_TOKENS]
             out["recall_long"] = round(sum(long) / max(1, len(long)), 3)
     model.train()
+    return out
+
+
+# held-out documents for a draft's agreement with its target: neither `eval`'s nor the probe's
+AGREEMENT_SEED = tasks.EVAL_SEED_BASE + 12
+AGREEMENT_TASKS = ("recall", "json", "arith", "story", "refuse")
+AGREEMENT_N = 100  # prompts per task in the final measurement (training_log.json "agreement")
+STORY_NEW_TOKENS = 64  # a story has no answer to stop at; its targets are 20-50 tokens
+
+
+@torch.no_grad()
+def target_runs(target: LlamaModel, tok: Tokenizer, n: int,
+                seed: int = AGREEMENT_SEED) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """For each task of AGREEMENT_TASKS: `n` held-out prompts (token ids) and the tokens `target`
+    writes after each one greedily (EOS included), the text a draft will be asked to guess."""
+    from engine.companions.kv_cache import generate_cached
+    from engine.sampling import SamplingParams
+
+    target.eval()
+    runs = {}
+    for task in AGREEMENT_TASKS:
+        params = SamplingParams(temperature=0.0,
+                                max_tokens=tasks.MAX_NEW_TOKENS.get(task, STORY_NEW_TOKENS))
+        prompts = [tok.encode(ex.prompt).ids for ex in tasks.eval_examples(task, n, seed=seed)]
+        runs[task] = [(p, generate_cached(target, None, p, params).token_ids) for p in prompts]
+    return runs
+
+
+@torch.no_grad()
+def greedy_agreement(draft: LlamaModel,
+                     runs: dict[str, list[tuple[list[int], list[int]]]]) -> dict[str, dict]:
+    """Per task: of the tokens the target wrote (`target_runs`), the share the draft's argmax
+    guesses, given the target's text so far. That is the acceptance rate alpha of greedy
+    speculative decoding. The first token of each reply is not counted: the target's prefill
+    writes it, a draft only ever guesses the tokens after it.
+
+        prompt ........ | t0  t1  t2  EOS      the target's greedy reply
+        draft argmax at:  t0' t1' t2'           (the position before each)
+        counted:              t1  t2  EOS       hits / guesses"""
+    was_training = draft.training
+    draft.eval()
+    out = {}
+    for task, pairs in runs.items():
+        hits = guesses = 0
+        for i in range(0, len(pairs), tasks.EVAL_BATCH_SIZE):
+            chunk = pairs[i:i + tasks.EVAL_BATCH_SIZE]
+            T = max(len(p) + len(c) for p, c in chunk)
+            ids = torch.tensor([p + c + [0] * (T - len(p) - len(c)) for p, c in chunk])  # [B, T]
+            pred = draft(ids[:, :-1]).argmax(-1)  # [B, T-1]: position t guesses token t+1
+            for b, (p, c) in enumerate(chunk):
+                guessed = pred[b, len(p):len(p) + len(c) - 1].tolist()  # guesses of c[1:]
+                hits += sum(g == t for g, t in zip(guessed, c[1:], strict=True))
+                guesses += len(c) - 1
+        out[task] = {"agreement": round(hits / max(1, guesses), 3), "guesses": guesses,
+                     "prompts": len(pairs)}
+    draft.train(was_training)
     return out
 
 
