@@ -351,9 +351,9 @@ class FastOptions:
 
 
 # Speculative decoding (chapter 12): who proposes the guesses that one target step verifies.
-#   "ngram"       prompt lookup: the tokens that followed the last n tokens where they appeared before
-#   "draft_model" a smaller model with the same tokenizer (`model`: a bundled name or a folder; "self":
-#                 a copy of the target, e.g. with quantization="int4")
+#   "ngram"       prompt lookup: what followed the last n tokens where they appeared before
+#   "draft_model" a smaller model with the same tokenizer (`model`: a bundled name or a folder;
+#                 "self": a copy of the target, e.g. with quantization="int4")
 #   "layer_skip"  the target's own first `num_draft_layers` layers, norm and head (no new weights)
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
 # k past which a verify step stops looking like a decode step on CPU (its rows leave the

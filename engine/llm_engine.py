@@ -392,7 +392,7 @@ class LLMEngine:
         start, t0 = self.clock(), time.perf_counter()
         s = self.scheduler
         with torch_threads(self.num_threads):
-            self._propose()  # chapter 12: guesses for the decodes, before the scheduler budgets them
+            self._propose()  # chapter 12: guesses for the decodes, before the scheduler budgets
         t_proposed = time.perf_counter()
         sched = s.schedule()
         if not sched.work and s.has_unfinished():  # a bug, not a state to wait in: fail loudly
@@ -414,7 +414,7 @@ class LLMEngine:
         return self._record(start, t0, time_s, scheduled, queues, blocks,
                             sched.events + finish_events)
 
-    # ---- speculative decoding (chapter 12) ---------------------------------------------------------
+    # ---- speculative decoding (chapter 12) -------------------------------------------------------
     def _propose(self) -> None:
         """Ask the proposer for guesses for every running request whose next step is a decode; the
         scheduler then budgets 1 + len(guesses) tokens for it (or fewer, engine/scheduler.py).

@@ -69,7 +69,7 @@ class ScheduledWork:
 
         all_token_ids  ... o4 o5 |                  num_tokens = start + 1
         fed                 o5 g1 g2 g3             draft_token_ids = [g1, g2, g3], end = start + 4
-        scored              r0 r1 r2 r3             r_i: the target's logits after the i-th fed token
+        scored              r0 r1 r2 r3             r_i: the target's logits after fed token i
     """
 
     request: Request
