@@ -451,6 +451,8 @@ def main(argv=None) -> None:
     d.add_argument("--model", default="tinylab")
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--no-pause", action="store_true")
+    d.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help=SPECULATIVE_HELP + "; the step-through part shows its verify steps")
     d.add_argument("--speed", default=None, choices=SPEEDS,
                    help=SPEED_HELP + " (the engine parts of the demo)")
     d.set_defaults(func=cmd_demo)

@@ -741,13 +741,21 @@ def test_each_bug_zoo_stub_fails_its_check_once_the_raise_is_deleted(function):
         check(module)
 
 
+def all_mutants() -> list[Mutant]:
+    """This file's mutants and chapter 12's (tests/test_exercise_mutants_ch12.py keeps its own list; it imports
+    this module, so we import it late)."""
+    from test_exercise_mutants_ch12 import MUTANTS as CH12
+
+    return MUTANTS + CH12
+
+
 @pytest.mark.parametrize("chapter", exercises.list_chapters())
 def test_every_solution_function_has_enough_mutants(chapter):
     solutions = exercises.load_module(chapter, solutions=True)
     public = [name for name, value in vars(solutions).items()
               if (inspect.isfunction(value) or inspect.isclass(value)) and not name.startswith("_")
               and value.__module__ == solutions.__name__]
-    counts = {name: sum(m.chapter == chapter and m.function == name for m in MUTANTS) for name in public}
+    counts = {name: sum(m.chapter == chapter and m.function == name for m in all_mutants()) for name in public}
     assert all(n >= MIN_MUTANTS_PER_FUNCTION for n in counts.values()), counts
 
 
@@ -761,7 +769,7 @@ def readme_table() -> str:
     """Markdown: per chapter and check, the mutants it catches (every check that fails on a mutant
     is credited; the one the test above names is in bold)."""
     caught: dict[tuple[str, str], list[str]] = {}
-    for m in MUTANTS:
+    for m in all_mutants():
         for r in exercises.run_checks(m.chapter, module=mutated_module(m)):
             if not r.passed:
                 label = f"`{m.function}`: {m.mistake}"

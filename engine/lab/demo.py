@@ -94,13 +94,14 @@ def demo_arrivals(seed: int = DEMO_SEED) -> list[Arrival]:
 
 
 def demo_engine(model_name: str = "tinylab", num_blocks: int = DEMO_NUM_BLOCKS,
-                speed: str | None = None) -> LLMEngine:
+                speed: str | None = None, speculative_config: dict | None = None) -> LLMEngine:
     """The demo's engine: continuous batching, chunked prefill, a small pool,
-    recompute preemption."""
+    recompute preemption; with `speculative_config`, verify steps too (chapter 12)."""
     return LLMEngine.from_pretrained(model_name, speed=speed, max_num_seqs=DEMO_MAX_NUM_SEQS,
                                      num_blocks=num_blocks,
                                      block_size=DEMO_BLOCK_SIZE, enable_chunked_prefill=True,
-                                     max_num_batched_tokens=DEMO_TOKEN_BUDGET)
+                                     max_num_batched_tokens=DEMO_TOKEN_BUDGET,
+                                     speculative_config=speculative_config)
 
 
 # ---- the live view -------------------------------------------------------------------------------
@@ -125,6 +126,10 @@ def _request_line(s, engine: LLMEngine, labels: dict[str, str]) -> str:
         known = req.num_tokens - s.tokens_out
         what = f"prefill  [{s.start}, {s.end}) of {known}"
         what += " (recompute)" if known > len(req.prompt_token_ids) else ""
+    elif s.draft_token_ids:  # chapter 12: a verify step
+        k = len(s.draft_token_ids)
+        what = (f"verify   out {len(req.output_token_ids):>2}/{req.params.max_tokens}  "
+                f"{s.num_accepted}/{k} guesses kept, +{s.tokens_out}")
     else:
         what = f"decode   out {len(req.output_token_ids):>2}/{req.params.max_tokens}"
     tail = req.text[-TEXT_TAIL_CHARS:].replace("\n", " ")
@@ -207,15 +212,16 @@ def _wait(pause: bool, state: dict) -> None:
 
 
 def step_through_demo(model_name: str = "tinylab", steps: int | None = None, pause: bool = True,
-                      speed: str | None = None) -> Trace:
+                      speed: str | None = None, speculative_config: dict | None = None) -> Trace:
     """Run the demo workload step by step with a live view; returns the run's Trace.
 
     steps: stop after this many steps (None: until every request has finished);
-    pause: wait for Enter (or sleep PAUSE_S when not at a terminal) between steps.
+    pause: wait for Enter (or sleep PAUSE_S when not at a terminal) between steps;
+    speculative_config: vLLM's dict (chapter 12): decodes verify guesses, shown as "verify" lines.
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be None (run to the end) or >= 1, got {steps}")
-    engine = demo_engine(model_name, speed=speed)
+    engine = demo_engine(model_name, speed=speed, speculative_config=speculative_config)
     arrivals = demo_arrivals()
     labels = {a.request_id: a.label for a in arrivals}
     print(f"== the engine, step by step: {len(arrivals)} requests arrive over time; KV pool of "
@@ -324,4 +330,5 @@ def run_demo(args) -> None:
           f"({DEMO_TORCH_THREADS} torch thread).\n")
     speed = getattr(args, "speed", None)
     real_model_demo(speed=speed)
-    step_through_demo(args.model, args.steps, pause=not args.no_pause, speed=speed)
+    step_through_demo(args.model, args.steps, pause=not args.no_pause, speed=speed,
+                      speculative_config=getattr(args, "speculative_config", None))
