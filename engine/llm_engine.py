@@ -434,8 +434,8 @@ class LLMEngine:
                                  "reason": f"{len(decoding)} decoding requests >= "
                                            f"disable_by_batch_size={limit}"})
             return
-        asks = [(r, DraftRequest(r.request_id, r.all_token_ids, r.params, self._draft_room(r)))
-                for r in decoding]
+        asks = [(r, DraftRequest(r.request_id, r.all_token_ids, r.params, self._draft_room(r),
+                                 len(r.prompt_token_ids))) for r in decoding]
         asks = [(r, a) for r, a in asks if a.num_draft_tokens > 0]
         try:
             proposals = self.proposer.propose([a for _, a in asks]) if asks else []

@@ -110,12 +110,15 @@ class OracleProposer:
 
 
 class SpecTrial(Trial):
-    """The engine fuzz's trial with guesses: the oracle proposer in most trials, prompt lookup in some."""
+    """The engine fuzz's trial with guesses: the oracle proposer in most trials, prompt lookup and a
+    layer-skipping draft model in some."""
 
     def __init__(self, seed: int, switches: dict, speed: str):
         super().__init__(seed, switches, speed)
         spec = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None}
         proposer = NgramProposer(1, 2) if seed % 4 == 0 else OracleProposer(self, random.Random(seed))
+        if seed % 4 == 1:  # the target's own first layer as the draft, with its own paged cache
+            spec, proposer = {**spec, "method": "layer_skip", "num_draft_layers": 1}, None
         self.engine = LLMEngine(MODEL, None, engine_config(model="random", speed=speed, **self.config,
                                                            speculative_config=spec), proposer=proposer)
 

@@ -288,7 +288,9 @@ class DraftModelProposer:
         where its prompt ends, so all of them as the prompt) and the guesses so far as the output.
         A guess's history only shapes how good it is, never what the target emits."""
         seq = self._seqs[r.request_id]
-        state = SamplingState(r.params, seq.generator, list(r.token_ids), list(guesses))
+        split = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
+        state = SamplingState(r.params, seq.generator, list(r.token_ids[:split]),
+                              list(r.token_ids[split:]) + list(guesses))
         processed = processed_logits(row, state, self.eos_token_ids)
         if r.params.greedy:
             return int(torch.argmax(processed)), None

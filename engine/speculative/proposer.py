@@ -25,6 +25,9 @@ class DraftRequest:
     token_ids: list[int]  # prompt + output so far; the last one is what the target feeds next
     params: SamplingParams
     num_draft_tokens: int  # guess at most this many (k, or fewer near max_tokens / the context)
+    # where the prompt ends in token_ids (penalties and min_tokens count the output only); None:
+    # unknown, treat every known token as prompt
+    num_prompt_tokens: int | None = None
 
 
 @dataclass
