@@ -366,3 +366,57 @@ def test_the_same_test_rejects_a_planted_wrong_rule(model_and_marginals, monkeyp
     monkeypatch.setattr(rejection, "accepts", lambda p, q, u: p >= q)
     second, _, _ = speculative_counts(model, params)
     assert chi_square_p_value(second, p2) < P_VALUE
+
+
+# ---- the rest of the engine: int8 KV, stop strings, logprobs, seeds ------------------------------------
+
+TINY_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+# copying prompts: prompt lookup's guesses are often right, so verify steps keep several tokens
+COPYING = ["Make JSON: the name is Ada, city Oslo, 41 years old, job is baker.\nJSON:",
+           "Finn lived in a small house near the school. Finn lived in a small house near the",
+           "k1=5; k2=7; k3=9; k4=2; Question: k3? Answer:"]
+
+
+@pytest.fixture(scope="module")
+def tinylab():
+    from engine.loading.loader import load_model
+
+    return load_model("tinylab")
+
+
+def run_llm(tinylab, params, **options):
+    from engine.llm import LLM
+
+    llm = LLM(*tinylab, max_num_seqs=4, **options)
+    return llm, llm.generate(COPYING, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("speed", ["reference", "fast"])
+def test_int8_kv_and_stop_strings_give_the_same_text_with_guesses(tinylab, speed):
+    params = SamplingParams(temperature=0, max_tokens=32, stop=['"job"', " golden"])
+    _, plain = run_llm(tinylab, params, speed=speed, kv_cache_dtype="int8")
+    llm, spec = run_llm(tinylab, params, speed=speed, kv_cache_dtype="int8", speculative_config=TINY_SPEC)
+    for a, b in zip(plain, spec, strict=True):
+        assert (b.outputs[0].text, b.outputs[0].token_ids, b.outputs[0].finish_reason) == \
+            (a.outputs[0].text, a.outputs[0].token_ids, a.outputs[0].finish_reason)
+    assert any(r.outputs[0].finish_reason == "stop" for r in spec)  # a stop string fired inside a verify step
+    assert spec_decode_stats(llm.engine.trace).num_accepted_tokens > 0
+
+
+def test_logprobs_of_verified_tokens_equal_plain_decodings(tinylab):
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
+    _, plain = run_llm(tinylab, params)
+    llm, spec = run_llm(tinylab, params, speculative_config=TINY_SPEC)
+    assert spec_decode_stats(llm.engine.trace).num_accepted_tokens > 0
+    for a, b in zip(plain, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert y.token_id == x.token_id and list(y.top) == list(x.top)
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+
+
+def test_seeded_speculative_sampling_repeats_run_to_run(tinylab):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, n=2, max_tokens=24)
+    first = [o.token_ids for r in run_llm(tinylab, params, speculative_config=TINY_SPEC)[1] for o in r.outputs]
+    again = [o.token_ids for r in run_llm(tinylab, params, speculative_config=TINY_SPEC)[1] for o in r.outputs]
+    assert first == again
