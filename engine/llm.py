@@ -66,6 +66,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: [None, TokenLogprobs of prompt token 1 given token 0, ...]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def from_request(cls, req: Request) -> RequestOutput:
@@ -79,8 +81,10 @@ class RequestOutput:
         finish_time = max(s.finish_time for s in samples) if finished else None
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  finish_time, sum(s.num_preemptions for s in samples))
+        prompt_logprobs = (list(req.prompt_logprobs) if req.params.prompt_logprobs is not None
+                           else None)
         return cls(req.request_id, req.prompt, list(req.prompt_token_ids), outputs, finished,
-                   metrics)
+                   metrics, prompt_logprobs)
 
 
 class LLM:

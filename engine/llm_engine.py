@@ -61,7 +61,7 @@ from engine.kv.prefix_cache import model_id as weights_id
 from engine.model import LlamaModel
 from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams, sample, top_logprobs
 from engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from engine.speculative.proposer import DraftRequest, Proposer
 from engine.speculative.registry import make_proposer
@@ -544,6 +544,8 @@ class LLMEngine:
         owners, rows, verifies, end = [], [], [], 0
         for w in sched.work:  # the logits hold each work's last num_scored rows, in order
             end += w.num_scored
+            if w.phase == "prefill" and w.request.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(w, logits[end - w.num_scored:end])
             if w.draft_token_ids:  # rows [end - k - 1, end): verified below
                 verifies.append((w, end - w.num_scored, end))
             elif w.samples:
@@ -563,6 +565,20 @@ class LLMEngine:
         time_s.prefill = (t1 - t0) * n_prefill / n_all
         time_s.decode = (t1 - t0) - time_s.prefill
         return sampled
+
+    @staticmethod
+    def _record_prompt_logprobs(w: ScheduledWork, rows) -> None:
+        """A prefill chunk of a request that asked for prompt logprobs scored every fed position:
+        row j predicts the token at w.start + j + 1. Keep those that are prompt tokens (the raw
+        model's log-softmax, as vLLM reports them: no penalty, no temperature)."""
+        req, k = w.request, w.request.params.prompt_logprobs
+        prompt = req.prompt_token_ids
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [None] * len(prompt)
+        for j in range(w.end - w.start):
+            position = w.start + j + 1
+            if position < len(prompt):  # (a recompute after preemption writes the same again)
+                req.prompt_logprobs[position] = top_logprobs(rows[j].float(), prompt[position], k)
 
     def _sample(self, logits, owners: list[Request], rows: list[int]) -> dict[Request, list[tuple]]:
         """One token for each owner, from its row of the logits [S, V] (none: an empty call)."""

@@ -127,6 +127,9 @@ class Request:
     # sets them before scheduling, the scheduler may cut them to fit
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: object = None
+    # params.prompt_logprobs: one TokenLogprobs per prompt position (position 0, which nothing
+    # predicts, stays None), filled by the prefill steps
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.params, prompt_ids=list(self.prompt_token_ids))

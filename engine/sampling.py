@@ -6,7 +6,8 @@ calls on its own to plot the distribution after each step:
 
     logits [V]
       |  penalties      repetition (prompt + output), presence/frequency (output only), min_tokens
-      |  processors     the request's own logits processors, in order (a grammar, a logit bias, ...)
+      |  logit bias     OpenAI's logit_bias: a number added to chosen tokens' logits
+      |  processors     the request's own logits processors, in order (a grammar mask last)
       +-----------> greedy? (temperature 0) --> argmax: no randomness at all
       |  temperature    logits / t             t < 1 sharpens, t > 1 flattens
       |  top-k          keep the k largest logits
@@ -52,6 +53,54 @@ STAGES = ("temperature", "top_k", "top_p", "min_p")  # the filter stages, in the
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's documented range for one token's bias
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (chapter 13; vLLM's `structured_outputs`): set exactly ONE of
+    json (a JSON schema, as a dict or its JSON text), regex, choice (a list of strings), grammar (a
+    Lark/EBNF grammar) or json_object=True (any JSON object). engine/structured/ compiles it into a
+    per-sequence mask over the vocabulary."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}; got {given or 'none'}")
+        checks = {"json": (dict, str), "regex": (str,), "grammar": (str,), "json_object": (bool,),
+                  "choice": (list, tuple)}
+        kind = given[0]
+        value = getattr(self, kind)
+        if not isinstance(value, checks[kind]) or (kind == "choice" and (
+                not value or not all(isinstance(c, str) and c for c in value))):
+            raise ValueError(f"structured_outputs.{kind}={value!r:.80} is not allowed: {kind} must "
+                             "be "
+                             + {"json": "a JSON schema (a dict, or its JSON text)",
+                                "regex": "a regular expression (str)",
+                                "grammar": "a Lark/EBNF grammar (str)", "json_object": "True",
+                                "choice": "a non-empty list of non-empty strings"}[kind])
+        if kind == "choice":
+            self.choice = list(value)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """One string per distinct constraint (the grammar cache's key)."""
+        import json as json_module
+
+        return json_module.dumps([self.kind, getattr(self, self.kind)], sort_keys=True)
+
+
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} is not allowed: "
@@ -77,8 +126,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top logprobs to return with each token
+    # how many top logprobs to return at each PROMPT position (vLLM's name; what evaluation
+    # harnesses score loglikelihood with); such a request computes its whole prompt (no cache hit)
+    prompt_logprobs: int | None = None
     # applied in order, every path
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
+    structured_outputs: StructuredOutputsParams | None = None  # chapter 13: a grammar's mask
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -110,6 +164,26 @@ class SamplingParams:
         _require(all(self.stop), "stop", self.stop, "a list of non-empty strings")
         _require(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
                  "None or >= 0")
+        _require(self.prompt_logprobs is None or (type(self.prompt_logprobs) is int
+                                                  and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", self.prompt_logprobs, "None or an integer >= 0")
+        self._check_logit_bias()
+        _require(self.structured_outputs is None
+                 or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", self.structured_outputs,
+                 "None or a StructuredOutputsParams")
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        lo, hi = LOGIT_BIAS_RANGE
+        _require(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+                 "a dict of token id -> bias")
+        for token, bias in self.logit_bias.items():
+            _require(type(token) is int and token >= 0, "logit_bias", token,
+                     "keyed by token ids (ints >= 0)")
+            _require(isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                     and lo <= bias <= hi, "logit_bias", {token: bias}, f"biases in [{lo}, {hi}]")
 
     @property
     def greedy(self) -> bool:
@@ -238,6 +312,9 @@ class SamplingState:
     generator: torch.Generator | None = None  # None: made from params.seed
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    # params.structured_outputs compiled for THIS sequence (engine/structured/): a stateful logits
+    # processor, applied after every other stage; the engine installs it when the request arrives
+    grammar: LogitsProcessor | None = None
 
     def __post_init__(self) -> None:
         if self.generator is None:
@@ -303,7 +380,22 @@ def processed_logits(logits: torch.Tensor, state: SamplingState,
                              params.repetition_penalty, params.presence_penalty,
                              params.frequency_penalty)
     logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
-    return apply_logits_processors(logits, params.logits_processors, state.output_ids)
+    logits = apply_logit_bias(logits, params.logit_bias)
+    logits = apply_logits_processors(logits, params.logits_processors, state.output_ids)
+    if state.grammar is not None:  # last: the grammar has the final say on what may come next
+        logits = apply_logits_processors(logits, [state.grammar], state.output_ids)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:
+    """OpenAI's logit_bias on one row [V]: each listed token's logit + its bias (a new tensor).
+    -100 all but bans a token; +100 all but forces it."""
+    if not bias:
+        return logits
+    logits = logits.clone()
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+    logits[ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def sampling_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -343,6 +435,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingState],
                          f"got {tuple(logits.shape)}")
     eos = ([] if eos_token_ids is None
            else [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
+    for state in rows:
+        if state.params.structured_outputs is not None and state.grammar is None:
+            raise ValueError("SamplingParams.structured_outputs needs its grammar compiled for the "
+                             "sequence (SamplingState.grammar; the engine does it when a request "
+                             "arrives): sample() alone cannot enforce it")
     plain = [i for i, state in enumerate(rows) if is_plain_greedy(state)]
     # Every plain greedy row in ONE argmax over [P, V]: the same tokens as row by row (argmax keeps
     # the first of equal maxima either way), without a copy and a call per row (which a
@@ -366,7 +463,8 @@ def is_plain_greedy(state: SamplingState) -> bool:
     p = state.params
     return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and p.logprobs is None
-            and len(state.output_ids) >= p.min_tokens and not p.logits_processors)
+            and len(state.output_ids) >= p.min_tokens and not p.logits_processors
+            and not p.logit_bias and state.grammar is None)
 
 
 class StopDecision(NamedTuple):

@@ -254,8 +254,8 @@ class Scheduler:
         cached blocks of its longest cached prefix, at most num_tokens - 1 tokens (its last token is
         fed again: sampling needs its logits). [] when it holds blocks already, or prefix caching is
         off."""
-        if req.seq_id in self.block_manager:
-            return []
+        if req.seq_id in self.block_manager or req.params.prompt_logprobs is not None:
+            return []  # (prompt logprobs: every prompt position must be computed, vLLM's rule)
         return self.block_manager.find_cached_prefix(req.all_token_ids, req.cache_key,
                                                      req.num_tokens - 1)
 
@@ -319,6 +319,8 @@ class Scheduler:
         req.num_computed_tokens = start + n
         out.budget_left -= n
         scored = len(guesses) + 1 if guesses else None
+        if phase == "prefill" and req.params.prompt_logprobs is not None:
+            scored = n  # every fed position: each predicts the prompt token after it
         out.work.append(ScheduledWork(req, start, start + n, phase, slots, scored, list(guesses)))
 
     def _has_room(self, req: Request, n: int, hit: list[int] = ()) -> bool:

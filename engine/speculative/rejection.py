@@ -113,7 +113,8 @@ def verify(rows: Tensor, guesses: Sequence[int], state: SamplingState,
         return [(t, None) for t in targets[:kept + 1]]
     emitted, history = [], list(state.output_ids)
     for i in range(k + 1):
-        here = SamplingState(state.params, state.generator, state.prompt_ids, history)
+        here = SamplingState(state.params, state.generator, state.prompt_ids, history,
+                             state.grammar)
         processed = processed_logits(rows[i], here, eos_token_ids)
         guess = guesses[i] if i < k else None
         token, kept = choose(processed, here, guess, None if q is None or i == k else q[i])
