@@ -149,6 +149,7 @@ class LLMEngine:
                                                    self.num_threads)
                                      if self.speculative else None)
         self.requests: dict[str, Request] = {}
+        self.grammars = None  # chapter 13: engine/structured/grammar.py's GrammarCache, when needed
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
         self._events: list[dict] = []  # arrivals and aborts since the last step
         self._finished: dict[str, str] = {}  # finished since the last step's report: id -> reason
@@ -226,6 +227,7 @@ class LLMEngine:
                              "lower n or raise max_num_seqs")
         prompt_ids = self._prompt_ids(prompt, where)
         params = self._clamp(params, len(prompt_ids))
+        grammar = self._compiled_grammar(params, where)
         # the last token is never fed
         self._check_fits_in_pool(len(prompt_ids) + params.max_tokens - 1, where)
         arrival = self.clock() if arrival_time is None else float(arrival_time)
@@ -235,6 +237,7 @@ class LLMEngine:
                            arrival, priority, tenant,
                            self.tokenizer.detokenizer() if self.tokenizer else None,
                            self.eos, index=i, cache_key=key) for i, rid in enumerate(ids)]
+        self._install_grammar(grammar, samples)
         head = samples[0]
         head.pending_forks = samples[1:]
         for s in samples:
@@ -361,7 +364,38 @@ class LLMEngine:
                              f"engine's clock (or None for now), got {arrival_time!r}")
         stops = validate_token_ids(params.stop_token_ids, self.model.config.vocab_size,
                                    f"{where}: SamplingParams.stop_token_ids", allow_empty=True)
+        if params.logit_bias:
+            validate_token_ids(list(params.logit_bias), self.model.config.vocab_size,
+                               f"{where}: SamplingParams.logit_bias's token ids")
         return dataclasses.replace(params, stop_token_ids=stops)
+
+    def _compiled_grammar(self, params: SamplingParams, where: str):
+        """params.structured_outputs compiled once (cached by constraint), or None (chapter 13).
+        A constraint that cannot be compiled raises a ValueError naming the request, before anything
+        is registered."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{where}: structured_outputs needs a tokenizer (a grammar is over "
+                             "text): load the model with its tokenizer")
+        if self.grammars is None:
+            from engine.structured.grammar import GrammarCache
+
+            self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size)
+        try:
+            return self.grammars.get(spec)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def _install_grammar(self, compiled, samples: list[Request]) -> None:
+        """Each sample gets its own matcher (its own place in the grammar)."""
+        if compiled is None:
+            return
+        from engine.structured.grammar import GrammarProcessor
+
+        for s in samples:
+            s.sampling.grammar = GrammarProcessor(compiled.matcher(), self.eos)
 
     def _prompt_ids(self, prompt, where: str) -> list[int]:
         """The prompt's token ids, each checked by `validate_token_ids`: token ids before encoding

@@ -48,7 +48,7 @@ LAYERS = [
      "engine.tokenizer", "engine.sampling", "engine.kv", "engine.loading", "engine.companions.memory",
      "engine.companions.timing", "engine.companions.metrics", "engine.companions.roofline"),
     ("engine.scheduler", "engine.runner", "engine.fast", "engine.speed", "engine.parallel",
-     "engine.speculative",
+     "engine.speculative", "engine.structured",
      "engine.companions.naive", "engine.companions.kv_cache", "engine.companions.placement"),
     ("engine.llm_engine", "engine.llm", "engine", "engine.replicas"),
     ("engine.serving", "engine.lab", "engine.viz", "engine.__main__"),
