@@ -395,7 +395,7 @@ class LLMEngine:
         from engine.structured.grammar import GrammarProcessor
 
         for s in samples:
-            s.sampling.grammar = GrammarProcessor(compiled.matcher(), self.eos)
+            s.sampling.grammar = GrammarProcessor(compiled, self.eos)
 
     def _prompt_ids(self, prompt, where: str) -> list[int]:
         """The prompt's token ids, each checked by `validate_token_ids`: token ids before encoding

@@ -5,9 +5,10 @@ token id. We do it in a fixed order, and every stage is a small pure function th
 calls on its own to plot the distribution after each step:
 
     logits [V]
-      |  penalties      repetition (prompt + output), presence/frequency (output only), min_tokens
+      |  penalties      repetition (prompt + output), presence/frequency (output only)
       |  logit bias     OpenAI's logit_bias: a number added to chosen tokens' logits
-      |  processors     the request's own logits processors, in order (a grammar mask last)
+      |  processors     the request's own logits processors, in order, then its grammar's mask
+      |  min_tokens     EOS and the stop ids banned while the output is shorter
       +-----------> greedy? (temperature 0) --> argmax: no randomness at all
       |  temperature    logits / t             t < 1 sharpens, t > 1 flattens
       |  top-k          keep the k largest logits
@@ -379,12 +380,14 @@ def processed_logits(logits: torch.Tensor, state: SamplingState,
     logits = apply_penalties(logits.float(), state.prompt_ids, state.output_ids,
                              params.repetition_penalty, params.presence_penalty,
                              params.frequency_penalty)
-    logits = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
     logits = apply_logit_bias(logits, params.logit_bias)
     logits = apply_logits_processors(logits, params.logits_processors, state.output_ids)
-    if state.grammar is not None:  # last: the grammar has the final say on what may come next
+    if state.grammar is not None:  # the grammar has its say on what may come next
         logits = apply_logits_processors(logits, [state.grammar], state.output_ids)
-    return logits
+    banned = _mask_stop_tokens(logits, params, len(state.output_ids), eos_token_ids)
+    # min_tokens bans EOS, unless nothing else is left: a grammar that is complete allows only EOS,
+    # and the output it describes is finished, however short
+    return banned if bool(torch.isfinite(banned).any()) else logits
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:

@@ -77,6 +77,8 @@ def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams,
     while len(prompt_ids) + len(state.output_ids) < max_len:
         start = time.perf_counter()
         logits = step_fn(new)  # [V]
+        if params.structured_outputs is not None and state.grammar is None:
+            state.grammar = _grammar(params, tokenizer, eos, logits.shape[-1])
         # EOS kept out until min_tokens
         token = int(sample(logits[None].float(), [state], eos).token_ids[0])
         times.append(time.perf_counter() - start)
@@ -92,6 +94,15 @@ def run_loop(step_fn: StepFn, prompt_ids: list[int], params: SamplingParams,
             break
         new = [token]
     return GenerationResult(list(prompt_ids), state.output_ids, text, reason, times)
+
+
+def _grammar(params: SamplingParams, tokenizer: Tokenizer | None, eos: list[int], vocab_size: int):
+    """params.structured_outputs compiled for this one sequence (chapter 13)."""
+    from engine.structured.grammar import GrammarProcessor, compile_grammar
+
+    if tokenizer is None:
+        raise ValueError("structured_outputs needs a tokenizer (a grammar is over text)")
+    return GrammarProcessor(compile_grammar(params.structured_outputs, tokenizer, vocab_size), eos)
 
 
 def generate_naive(model: LlamaModel, tokenizer: Tokenizer | None, prompt: str | list[int],

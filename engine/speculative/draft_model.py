@@ -76,15 +76,22 @@ def draft_proposer(config: SpeculativeConfig, target: LlamaModel, tokenizer=None
     """The proposer of a "draft_model" or "layer_skip" config, for `target` (called by
     engine/speculative/registry.py). engine_config: the target engine's, for the draft's speed,
     block size and pool size (None: the reference speed and the default cache)."""
-    model = draft_model(config, target)
+    model = draft_model(config, target, engine_config.speed if engine_config else "reference")
     return DraftModelProposer(model, config.num_speculative_tokens,
                               (engine_config or EngineConfig()).cache.block_size,
                               model.config.max_position_embeddings, engine_config, num_threads,
                               name=config.method, eos_token_ids=eos_ids(target, tokenizer))
 
 
-def draft_model(config: SpeculativeConfig, target: LlamaModel) -> LlamaModel:
-    """The draft `config` names, in the target's dtype and on its device."""
+# the quantized draft's matmul kernel per engine speed: the reference dequantizes in PyTorch (slow,
+# readable); the fast engine runs our C kernel (kernels/quant_matmul), which its C layers call
+QUANT_BACKEND = {"reference": "torch", "fast": "native"}
+
+
+def draft_model(config: SpeculativeConfig, target: LlamaModel,
+                speed: str = "reference") -> LlamaModel:
+    """The draft `config` names, in the target's dtype and on its device, its quantized matmuls
+    (if any) on `speed`'s kernel."""
     if config.method == "layer_skip":
         return layer_skip_model(target, config.num_draft_layers)
     if config.method != "draft_model":
@@ -101,7 +108,7 @@ def draft_model(config: SpeculativeConfig, target: LlamaModel) -> LlamaModel:
                          f"the target has vocab_size={target_v}: a draft must share the target's "
                          "tokenizer; pick a draft trained with it")
     if config.quantization is not None:
-        quantize_model(model, DRAFT_SCHEMES[config.quantization])
+        quantize_model(model, DRAFT_SCHEMES[config.quantization], backend=QUANT_BACKEND[speed])
     return model.eval()
 
 
