@@ -10,7 +10,7 @@ WORKERS ?= 2
 # notebooks included, also has pytest-timeout's limit (pyproject.toml), which prints every thread's stack.
 CELL_TIMEOUT_S ?= 150
 
-.PHONY: demo test lab bench bench-vllm lint clean
+.PHONY: demo test lab bench bench-vllm lm-eval lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ bench: $(DEV)
 bench-vllm: $(DEV)
 	bash benchmarks/setup_vllm.sh
 	$(PY) benchmarks/vs_vllm.py
+
+# EleutherAI's lm-evaluation-harness in its own environment (.peers/lmeval), for chapter 13 and
+# tests/test_lm_eval.py (skipped, saying so, without it); the README shows the commands it runs.
+LM_EVAL_VENV := .peers/lmeval
+lm-eval: $(LM_EVAL_VENV)/bin/lm_eval
+$(LM_EVAL_VENV)/bin/lm_eval:
+	$(PYTHON) -m venv $(LM_EVAL_VENV)
+	$(LM_EVAL_VENV)/bin/pip install -q "lm-eval[api]==0.4.13" "transformers==5.24.0"
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check engine kernels exercises tests benchmarks

@@ -285,4 +285,34 @@ FULL_HINTS: dict[str, dict[str, str]] = {
             "each block in table[keep:]: refcounts[block] -= 1, and it is freed only if that "
             "leaves 0. Return (list(table[:keep]), the freed blocks in table order)."),
     },
+    "ch13": {
+        "dfa_step": (
+            "for char in text: next_state = transitions.get(state, {}).get(char) (a state with "
+            "no way on has no row, so no transitions[state][char]: that raises KeyError); if "
+            "next_state is None, return None at once; else state = next_state. After the loop, "
+            "return state (the state itself for the empty text)."),
+        "accepts": (
+            "end = dfa_step(transitions, START, text); return end is not None and end in "
+            "accepting. The end of the walk decides, not a state passed on the way, and there is "
+            "no special case for \"\": it matches exactly when the start state accepts."),
+        "token_mask": (
+            "One bool per token_id, text in enumerate(vocab): for eos_id, state in accepting "
+            "(its text plays no part); for the others, text != \"\" and dfa_step(transitions, "
+            "state, text) is not None: every character read, the landing state accepting or "
+            "not."),
+        "constrain": (
+            "mask = torch.tensor(allowed, dtype=torch.bool); a ValueError naming allowed unless "
+            "mask.shape == logits.shape[-1:] and mask.any(); return logits.masked_fill(~mask, "
+            "float(\"-inf\")): a new tensor, the [V] mask broadcast over the rows. Not 0: "
+            "softmax gives a logit of 0 a real chance."),
+        "apply_temperature_then_mask": (
+            "A ValueError naming temperature unless temperature > 0; probs = "
+            "torch.softmax(logits / temperature, dim=-1); kept = probs * mask (mask a BoolTensor "
+            "of allowed); return kept / kept.sum(dim=-1, keepdim=True): divide by the mass that "
+            "is left, not by 1 or by the number of allowed tokens."),
+        "logit_bias": (
+            "out = logits.clone(); for token, value in bias.items(): out[token] += value; return "
+            "out. Added to the logit (not multiplied, not on a probability, not a replacement), "
+            "and -100 stays the number -100, not -inf."),
+    },
 }

@@ -742,11 +742,12 @@ def test_each_bug_zoo_stub_fails_its_check_once_the_raise_is_deleted(function):
 
 
 def all_mutants() -> list[Mutant]:
-    """This file's mutants and chapter 12's (tests/test_exercise_mutants_ch12.py keeps its own list; it imports
-    this module, so we import it late)."""
+    """This file's mutants and chapters 12's and 13's (tests/test_exercise_mutants_ch12.py and _ch13.py keep their
+    own lists; they import this module, so we import them late)."""
     from test_exercise_mutants_ch12 import MUTANTS as CH12
+    from test_exercise_mutants_ch13 import MUTANTS as CH13
 
-    return MUTANTS + CH12
+    return MUTANTS + CH12 + CH13
 
 
 @pytest.mark.parametrize("chapter", exercises.list_chapters())

@@ -63,6 +63,8 @@ class SampleDelta:
     # set once, on the sample's last delta: "stop", "length", "abort", "error"
     finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
+    # one TokenLogprobs per new token, when the request asked for logprobs (SamplingParams.logprobs)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -77,6 +79,9 @@ class RequestUpdate:
     finished: bool  # every sample finished: this is the request's last update
     # on the last update of an aborted request: "queue_timeout", ...
     abort_reason: str | None = None
+    # SamplingParams.prompt_logprobs: [None, TokenLogprobs, ...], once, on the first update that
+    # carries tokens (the prompt is wholly scored by then)
+    prompt_logprobs: list | None = None
 
 
 @dataclass(eq=False)
@@ -346,7 +351,7 @@ class AsyncLLMEngine:
 
     def _emit(self, rid: str, now: float) -> None:
         t = self._tracked[rid]
-        deltas = []
+        deltas, first_tokens = [], sum(t.sent_tokens) == 0
         for i, seq in enumerate(t.samples):
             new_ids = list(seq.output_token_ids[t.sent_tokens[i]:])
             finishing = seq.is_finished and not t.done[i]
@@ -356,14 +361,20 @@ class AsyncLLMEngine:
             end = (len(seq.text) if seq.is_finished
                    else max(t.sent_chars[i], len(seq.text) - t.holdback))
             text = seq.text[t.sent_chars[i]:end]
+            logprobs = (list(seq.logprobs[t.sent_tokens[i]:t.sent_tokens[i] + len(new_ids)])
+                        if seq.params.logprobs is not None else None)
             t.sent_tokens[i] += len(new_ids)
             t.sent_chars[i] = end
             t.done[i] = seq.is_finished
             reason = seq.finish_reason if seq.is_finished else None
-            deltas.append(SampleDelta(seq.index, text, new_ids, reason, seq.error))
+            deltas.append(SampleDelta(seq.index, text, new_ids, reason, seq.error, logprobs))
         finished = all(t.done)
-        update = RequestUpdate(rid, deltas, now, len(t.samples[0].prompt_token_ids),
-                               sum(t.sent_tokens), finished, t.abort_reason if finished else None)
+        head = t.samples[0]
+        scored = (list(head.prompt_logprobs) if first_tokens and sum(t.sent_tokens) > 0
+                  and head.params.prompt_logprobs is not None else None)
+        update = RequestUpdate(rid, deltas, now, len(head.prompt_token_ids),
+                               sum(t.sent_tokens), finished, t.abort_reason if finished else None,
+                               scored)
         if finished:
             self._retire(rid)
         self._deliver(t, update)

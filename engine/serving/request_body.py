@@ -23,15 +23,22 @@ import math
 MAX_JSON_DEPTH = 64
 MAX_NUMBER_DIGITS = 100
 # Fields of OpenAI's and vLLM's APIs that change the answer and that we do not implement yet ->
-# the one value that asks for nothing (sent as that, or null, they are accepted)
+# the one value that asks for nothing (sent as that, or null, they are accepted). Chapter 13 took
+# response_format, structured_outputs, guided_json/_regex/_choice/_grammar, logit_bias, tools,
+# tool_choice and top_logprobs off this list (engine/serving/openai_fields.py).
 UNSUPPORTED_FIELDS = {
-    "response_format": None, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "logit_bias": None, "top_logprobs": None, "prompt_logprobs": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "use_beam_search": False, "length_penalty": None,
+    "functions": None, "function_call": None, "prompt_logprobs": None,
+    "guided_whitespace_pattern": None, "use_beam_search": False, "length_penalty": None,
     "allowed_token_ids": None, "bad_words": None, "include_stop_str_in_output": False,
     "skip_special_tokens": True, "truncate_prompt_tokens": None, "prediction": None,
     "modalities": None, "audio": None,
+}
+# Fields only one endpoint takes -> that endpoint: sent to the other one, they are refused by name
+# (the other endpoint's body does not know them, so they would be ignored)
+ENDPOINT_FIELDS = {
+    "tools": "chat/completions", "tool_choice": "chat/completions",
+    "top_logprobs": "chat/completions", "parallel_tool_calls": "chat/completions",
+    "echo": "completions", "suffix": "completions", "best_of": "completions",
 }
 SHOWN_INPUT_CHARS = 60  # a message quotes at most this much of a bad value or a path
 
@@ -111,10 +118,15 @@ def _first_problem(data) -> tuple[str, str, str] | None:
     return None
 
 
-def refuse_unsupported(data: dict) -> None:
+def refuse_unsupported(data: dict, endpoint: str | None = None) -> None:
     """No silent no: a field of OpenAI's or vLLM's API that would change the answer and that we do
-    not implement is refused by name (other unknown fields are ignored, as vLLM does)."""
+    not implement is refused by name (other unknown fields are ignored, as vLLM does); so is a
+    field of the other endpoint (`endpoint`: "completions" or "chat/completions")."""
     for name, ignored in UNSUPPORTED_FIELDS.items():
         if data.get(name) is not None and data[name] != ignored:
             raise BadBody(f"{name} is not supported by this server (it would change the answer "
                           "and we do not implement it); leave it out", name, "unsupported_field")
+    for name, home in ENDPOINT_FIELDS.items():
+        if endpoint is not None and home != endpoint and data.get(name) is not None:
+            raise BadBody(f"{name} is a field of POST /v1/{home}, not of /v1/{endpoint}; "
+                          "leave it out or send the request there", name, "unsupported_field")

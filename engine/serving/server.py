@@ -56,6 +56,13 @@ OpenAI's `user` becomes the engine's tenant (per-tenant quotas, prefix-cache sco
 metrics buckets), unless the server was given API keys (`api_keys`, key -> tenant): then the tenant
 is the bearer key's, and a request without a known key gets 401.
 
+Structured outputs, logprobs, echo, logit_bias and tools (chapter 13): OpenAI's response_format,
+logit_bias, logprobs / top_logprobs, echo, tools + tool_choice ("none", "required", a named
+function; "auto" is refused), and vLLM's structured_outputs / guided_json, _regex, _choice,
+_grammar. engine/serving/openai_fields.py maps them to SamplingParams and shapes their answers
+(logprobs, tool_calls); a field of either API that we do not implement is refused by name
+(request_body.py).
+
 Overload protection (chapter 10; the policy is engine/serving/admission.py, `AdmissionLimits`): past
 `max_num_queued_reqs` requests in flight or `max_num_queued_tokens` prompt tokens still to prefill,
 a new request gets 503 with Retry-After at once; past its tenant's rate, 429 with Retry-After (that
@@ -89,6 +96,18 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.serving.admission import Admission, AdmissionLimits, Rejected
 from engine.serving.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
+from engine.serving.openai_fields import (
+    Asked,
+    ConstraintFields,
+    NamedToolChoice,
+    ResponseExtras,
+    TokenPieces,
+    Tool,
+    ToolCallIn,
+    chat_asked,
+    completion_asked,
+    tool_calls_text,
+)
 from engine.serving.prometheus import ServerMetrics
 from engine.serving.request_body import (
     SHOWN_INPUT_CHARS,
@@ -173,8 +192,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share.
+class _Sampling(ConstraintFields):
+    """Fields both endpoints share (with chapter 13's response_format, structured_outputs,
+    guided_*, logit_bias: engine/serving/openai_fields.py).
     Strict: "16" is not a number; unknown fields are ignored (as vLLM)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -220,12 +240,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
 
 
 # ---- the server ----------------------------------------------------------------------------------
@@ -245,6 +269,8 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.max_n = engine.config.scheduler.max_num_seqs
         self.metrics = ServerMetrics(model_name)
+        self.pieces = TokenPieces(engine.tokenizer)  # token ids -> text and bytes, for logprobs
+        self.vocab_size = engine.model.config.vocab_size
         # api_keys: bearer key -> tenant
         self.limits, self.api_keys = limits or AdmissionLimits(), api_keys
         self.front = AsyncLLMEngine(engine, on_step=self.metrics.on_step,
@@ -283,13 +309,16 @@ class OpenAIServer:
         room = self._check_context(len(ids), "prompt")
         max_tokens = (body.max_tokens if body.max_tokens is not None
                       else min(COMPLETION_DEFAULT_MAX_TOKENS, room))
-        return await self._serve(request, body, ids, max_tokens, "cmpl", _CompletionShape())
+        text = prompt if isinstance(prompt, str) else None  # ids: decoded for echo, once checked
+        asked = completion_asked(body, self.pieces, self.vocab_size, text, ids)
+        if body.echo and max_tokens == 0:  # the prompt's logprobs alone: the engine draws one
+            max_tokens = 1  # token, which the answer leaves out (openai_fields.py)
+        return await self._serve(request, body, ids, max_tokens, "cmpl", _CompletionShape(),
+                                 asked)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
-        if body.logprobs:
-            raise bad_request("logprobs are not supported by this server yet; leave it false",
-                              "logprobs")
+        asked = chat_asked(body, self.pieces, self.vocab_size)
         messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
         tok = self.engine.tokenizer
         try:  # the same prompt as LLM.chat: the model's template, tokenized as it stands
@@ -298,10 +327,10 @@ class OpenAIServer:
             raise bad_request(str(e), "messages") from None
         ids = await asyncio.to_thread(tok.encode, text, False)
         room = self._check_context(len(ids), "messages")
-        asked = (body.max_completion_tokens if body.max_completion_tokens is not None
+        limit = (body.max_completion_tokens if body.max_completion_tokens is not None
                  else body.max_tokens)
-        return await self._serve(request, body, ids, room if asked is None else asked, "chatcmpl",
-                                 _ChatShape())
+        return await self._serve(request, body, ids, room if limit is None else limit, "chatcmpl",
+                                 _ChatShape(), asked)
 
     async def cancel(self, request: Request, request_id: str) -> dict:
         """POST /v1/requests/{request_id}/cancel: abort a request in flight
@@ -325,7 +354,8 @@ class OpenAIServer:
         self._key_tenant(request)  # an unknown key is refused before we read its body
         data = await self._read_json(request)
         try:
-            refuse_unsupported(data)
+            refuse_unsupported(data, "completions" if model is CompletionRequest
+                               else "chat/completions")
         except BadBody as e:
             raise bad_request(e.message, e.param, e.code) from None
         try:
@@ -379,11 +409,9 @@ class OpenAIServer:
 
     @staticmethod
     def _completion_prompt(body: CompletionRequest) -> str | list[int]:
-        for name, bad in (("logprobs", body.logprobs is not None), ("echo", body.echo),
-                          ("suffix", body.suffix is not None),
-                          ("best_of", body.best_of not in (None, body.n))):
-            if bad:
-                raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
+        if body.suffix is not None:
+            raise bad_request("suffix is not supported by this server (it would change the answer "
+                              "and we do not implement it); leave it out", "suffix")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -406,7 +434,8 @@ class OpenAIServer:
                               "context_length_exceeded")
         return room
 
-    def _params(self, body: _Sampling, n_prompt: int, max_tokens: int) -> SamplingParams:
+    def _params(self, body: _Sampling, n_prompt: int, max_tokens: int,
+                extra: dict) -> SamplingParams:
         if n_prompt + max_tokens > self.max_model_len:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} "
                               f"tokens. However, you requested {n_prompt + max_tokens} tokens "
@@ -420,14 +449,14 @@ class OpenAIServer:
                 min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
-                stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos)
+                stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, **extra)
         except ValueError as e:  # "SamplingParams.<field>=... is not allowed: ..."
             field = str(e).split("=", 1)[0].removeprefix("SamplingParams.")
             raise bad_request(str(e), field if field.isidentifier() else None) from None
 
     async def _serve(self, request: Request, body: _Sampling, ids: list[int], max_tokens: int,
-                     kind: str, shape: _Shape) -> Response:
-        params = self._params(body, len(ids), max_tokens)
+                     kind: str, shape: _Shape, asked: Asked) -> Response:
+        params = self._params(body, len(ids), max_tokens, asked.sampling)
         tenant = body.user if self.api_keys is None else self._key_tenant(request)
         public_id, request_id = await self._request_id(request, kind,
                                                        None if self.api_keys is None else tenant)
@@ -439,9 +468,9 @@ class OpenAIServer:
             kind = "rate_limit_error" if e.status == 429 else "server_error"
             raise OpenAIError(e.status, e.message, None, e.reason, kind, e.retry_after_s) from None
         except (ValueError, TypeError) as e:  # the engine's checks: it kept nothing
-            raise bad_request(str(e), _field_named(str(e), body)) from None
+            raise _engine_refusal(str(e), body, asked) from None
         reply = _Reply(public_id, int(time.time()), self.model_name, body, shape,
-                       self.limits.retry_after_s)
+                       self.limits.retry_after_s, asked.extras)
         if body.stream:
             return StreamingResponse(_sse(stream, reply), media_type="text/event-stream",
                                      headers={REQUEST_ID_HEADER: public_id})
@@ -479,15 +508,28 @@ def _engine_id(public_id: str, scope: str | None) -> str:
     return public_id if scope is None else f"{scope}/{public_id}"
 
 
+def _engine_refusal(message: str, body: _Sampling, asked: Asked) -> OpenAIError:
+    """The 400 for an engine error, naming the field it is about. A constraint that could not be
+    compiled (engine/structured/grammar.py says "structured_outputs.<kind> ...") is about the
+    field the constraint came from: response_format, guided_json, tool_choice, ..."""
+    field = asked.constraint_field
+    if field is not None and "structured_outputs" in message:
+        return bad_request(f"{field}: the constraint cannot be used: {message}", field,
+                           "invalid_constraint")
+    return bad_request(message, _field_named(message, body))
+
+
 def _message_dict(m: ChatMessage, i: int) -> dict:
-    """An OpenAI message as the chat template wants it:
-    text content only ("developer" is a system turn)."""
+    """An OpenAI message as the chat template wants it: text content only ("developer" is a
+    system turn; an assistant turn's tool calls are written out as the calls' JSON)."""
     content = m.content or ""
     if isinstance(content, list):
         if any(p.type != "text" for p in content):
             raise bad_request(f"messages[{i}].content: only text parts are supported "
                               "(type 'text')", "messages")
         content = "".join(p.text for p in content)
+    if m.tool_calls:
+        content = "\n".join(filter(None, [content, tool_calls_text(m.tool_calls)]))
     return {"role": "system" if m.role == "developer" else m.role, "content": content}
 
 
@@ -531,28 +573,31 @@ class _Reply:
     """Turns one request's `RequestUpdate`s into OpenAI chunks (streaming) or one response body."""
 
     def __init__(self, request_id: str, created: int, model: str, body: _Sampling, shape: _Shape,
-                 retry_after_s: float):
+                 retry_after_s: float, extras: ResponseExtras):
         self.id, self.created, self.model, self.retry_after_s = (request_id, created, model,
                                                                  retry_after_s)
         self.shape, self.n = shape, body.n
         self.usage_chunks = bool(body.stream_options and body.stream_options.include_usage)
         self.token_ids = body.return_token_ids
         self.started: set[int] = set()
+        self.extras = extras  # logprobs, echo, tool calls (openai_fields.py)
 
     def chunks(self, update: RequestUpdate) -> list[dict]:
         """One chunk per sample that changed in this step (one token each);
         then, at the end, usage."""
         out = []
+        self.extras.prompt_logprobs = update.prompt_logprobs or self.extras.prompt_logprobs
         for d in update.deltas:
             if d.finish_reason == "error":
                 out.append(OpenAIError(500, "the engine failed while serving this request: "
                                        f"{d.error}", None, "engine_error", "server_error").body())
                 continue
-            choice = self.shape.choice_chunk(d.index, d.text, d.finish_reason,
-                                             d.index not in self.started)
+            first = d.index not in self.started
+            choice = self.shape.choice_chunk(d.index, d.text, d.finish_reason, first)
             self.started.add(d.index)
             if self.token_ids:
                 choice["token_ids"] = d.token_ids
+            choice = self.extras.stream_choice(choice, d, first)
             chunk = {**self._head(self.shape.object_chunk), "choices": [choice]}
             out.append({**chunk, "usage": None} if self.usage_chunks else chunk)
         timeout = self.timeout_error(update)
@@ -589,10 +634,13 @@ class _Reply:
         if timeout is not None:
             return timeout.response()
         texts, tokens, reasons = [""] * self.n, [[] for _ in range(self.n)], [None] * self.n
+        logprobs = [[] for _ in range(self.n)]
         for u in updates:
+            self.extras.prompt_logprobs = u.prompt_logprobs or self.extras.prompt_logprobs
             for d in u.deltas:
                 texts[d.index] += d.text
                 tokens[d.index] += d.token_ids
+                logprobs[d.index] += d.logprobs or []
                 if d.finish_reason == "error":
                     return OpenAIError(500, "the engine failed while serving this request: "
                                        f"{d.error}", None, "engine_error",
@@ -602,6 +650,8 @@ class _Reply:
         if self.token_ids:
             for c, ids in zip(choices, tokens, strict=True):
                 c["token_ids"] = ids
+        choices = [self.extras.whole_choice(c, i, tokens[i], logprobs[i])
+                   for i, c in enumerate(choices)]
         body = {**self._head(self.shape.object_whole), "choices": choices,
                 "usage": _usage(updates[-1])}
         return JSONResponse(body)
@@ -683,6 +733,9 @@ def build_app(engine: LLMEngine, model_name: str | None = None,
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/requests/{request_id}/cancel")(server.cancel)
     app.exception_handler(OpenAIError)(lambda request, exc: exc.response())
+    # a field refused by engine/serving/openai_fields.py
+    app.exception_handler(BadBody)(lambda request, exc: bad_request(exc.message, exc.param,
+                                                                    exc.code).response())
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(Exception)(_internal_error)
     return app
