@@ -466,11 +466,12 @@ def main(argv=None) -> None:
                        help="retrain the bundled model from scratch (about an hour)")
     t.add_argument("--out", default="runs/tinylab")
     t.add_argument("--recipe", default="first",
-                   choices=["first", "lookup", "polish", "extend", "finish", "scratch"],
+                   choices=["first", "lookup", "polish", "extend", "finish", "scratch", "draft"],
                    help="first: the first tinylab's recipe; lookup: the lookup curriculum; "
                         "polish: a short pass after lookup; extend: lookup continued from its "
                         "step 2000; finish: extend continued from its step 3500; scratch: all "
-                        "of it in one recipe from random weights (engine/lab/training.py)")
+                        "of it in one recipe from random weights; draft: tinylab-draft, a small "
+                        "draft model distilled from tinylab (engine/lab/training.py)")
     t.add_argument("--tokens", type=int, default=None,
                    help="training tokens (default: the recipe's)")
     t.add_argument("--recall-drills", type=int, default=None,

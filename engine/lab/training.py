@@ -92,9 +92,13 @@ class TrainConfig:
     probe_n: int = 64  # probe examples per task
     # reuse this tokenizer.json (token ids stay comparable) instead of training one
     tokenizer_path: str | None = None
-    # a teacher (folder or bundled name, e.g. "tinylab"): learn its next-token distribution
-    # instead of the corpus' tokens (see `distill_loss`); its tokenizer must be ours
+    # a teacher (folder or bundled name, e.g. "tinylab"): learn its greedy choices instead of
+    # the corpus' tokens (see `distill_loss`); its tokenizer must be ours
     distill_from: str | None = None
+    # before this step the loss is the corpus' tokens (no teacher pass: a step costs a third)
+    distill_from_step: int = 0
+    # with a teacher: held-out prompts per task for the final agreement (0: not measured)
+    agreement_n: int = 100
     bf16_autocast: bool = True
     seed: int = 0
     # save the folder now and then, so a stopped run still leaves a model
@@ -453,22 +457,22 @@ def weighted_loss(model: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
 
 def distill_loss(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor, weights: torch.Tensor,
                  backend: NoCacheAttention | None = None) -> torch.Tensor:
-    """KL(teacher || model) of the next-token distributions at the weighted positions.
+    """Cross-entropy against the *teacher's* greedy choice at each weighted position.
 
-    A draft for speculative decoding is good when its argmax is the *target's* argmax, right or
-    wrong, so we teach it the target's whole distribution instead of the corpus' one token: where
-    the corpus draws a story's place at random, the target has a favourite, and that favourite is
-    what a verify step accepts (knowledge distillation, Hinton et al. 2015; DistillSpec, 2023).
-    Position t predicts token t+1 and counts with token t+1's weight, as in `weighted_loss`."""
+    A draft for greedy speculative decoding is good when its argmax is the target's argmax, right
+    or wrong, so that is what we teach it (hard-label distillation): where the corpus draws a
+    story's object at random ("a golden cup", "a heavy bell", ...), the target has a favourite,
+    and the favourite is what a verify step accepts. Matching the teacher's whole distribution
+    instead (KL, Hinton et al. 2015) spreads the draft over the same near-ties and picks the
+    favourite less often (the tinylab-draft card has the comparison). Position t predicts token t+1
+    and counts with token t+1's weight, as in `weighted_loss`."""
     logits = model(ids[:, :-1], backend=backend)  # [B, T-1, V]
     with torch.no_grad():
-        teacher_logits = teacher(ids[:, :-1])  # [B, T-1, V]
+        choice = teacher(ids[:, :-1]).argmax(-1)  # [B, T-1]: what the teacher would write next
     w = weights[:, 1:]  # [B, T-1]
     keep = w > 0
-    log_q = logits[keep].float().log_softmax(-1)  # [N, V]: the N weighted positions
-    log_p = teacher_logits[keep].float().log_softmax(-1)  # [N, V]
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [N]
-    return (kl * w[keep]).sum() / w[keep].sum().clamp(min=1.0)
+    nll = F.cross_entropy(logits[keep].float(), choice[keep], reduction="none")  # [N]
+    return (nll * w[keep]).sum() / w[keep].sum().clamp(min=1.0)
 
 
 def load_teacher(cfg: TrainConfig, tok: Tokenizer) -> LlamaModel:
@@ -573,7 +577,8 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-            loss = (distill_loss(model, teacher, ids, weights, kept) if teacher is not None
+            loss = (distill_loss(model, teacher, ids, weights, kept)
+                    if teacher is not None and step >= cfg.distill_from_step
                     else weighted_loss(model, ids, weights, kept))
             aux = pointer_loss(kept, pointers) if cfg.pointer_loss_weight else torch.zeros(())
         opt.zero_grad(set_to_none=True)
@@ -604,8 +609,8 @@ def train(cfg: TrainConfig, out_dir: Path, progress: bool = True, resume_from: P
     # a shared machine: wall time overstates
     log["cpu_seconds"] = round(time.process_time() - cpu_start, 1)
     log["threads"] = torch.get_num_threads()
-    if teacher is not None:  # the draft's acceptance rate, on held-out prompts (after the clock)
-        log["agreement"] = greedy_agreement(model, target_runs(teacher, tok, AGREEMENT_N))
+    if teacher is not None and cfg.agreement_n:  # the draft's acceptance rate (after the clock)
+        log["agreement"] = greedy_agreement(model, target_runs(teacher, tok, cfg.agreement_n))
     save_hf_folder(model, tok, out_dir, log)
     torch.save(opt.state_dict(), out_dir / OPTIMIZER_FILE)
     return log
@@ -680,7 +685,6 @@ def probe(model: LlamaModel, tok: Tokenizer,
 # held-out documents for a draft's agreement with its target: neither `eval`'s nor the probe's
 AGREEMENT_SEED = tasks.EVAL_SEED_BASE + 12
 AGREEMENT_TASKS = ("recall", "json", "arith", "story", "refuse")
-AGREEMENT_N = 100  # prompts per task in the final measurement (training_log.json "agreement")
 STORY_NEW_TOKENS = 64  # a story has no answer to stop at; its targets are 20-50 tokens
 
 

@@ -118,7 +118,11 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     """The spec as llguidance's grammar (its own JSON, wrapping a schema or a Lark grammar)."""
     kind = spec.kind
     if kind in ("json", "json_object"):
-        return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(spec))
+        # JSON allows whitespace before a value (RFC 8259: ws value ws), and models that learned to
+        # answer " {" (tinylab does) would otherwise be pushed into a '{"' they never saw; one optional
+        # space, not any amount, so a small model cannot fill max_tokens with blanks
+        schema = json.dumps(_json_schema(spec))
+        return llguidance.grammar_from("lark", f'start: " "? value\nvalue: %json {schema}')
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":  # one quoted Lark literal per choice (llguidance's own recipe)
