@@ -111,7 +111,7 @@ class Setup:
         if self.method is None:
             return None
         spec = {"method": self.method, "num_speculative_tokens": self.k, **DRAFTS[model].get(self.method, {})}
-        return {**spec, "disable_by_batch_size": None} if self.never_off else spec
+        return {**spec, "disable_by_batch_size": None, "max_verify_rows": None} if self.never_off else spec
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,10 @@ DRAFT_QUANTIZATIONS = (None, "int8", "int4")
 # already compute-bound enough that guesses stop paying (benchmarks/results/speculative.md), so
 # from this many decodes on a step runs plain decode and records why.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# Below that, the guesses per request shrink so that a step feeds at most this many rows: 16 is
+# where the fast wing's C decode layers stop taking a step in fp32 (GEMV_MAX_ROWS, engine/fast/);
+# past it a verify step leaves the matrix-vector regime and costs much more than a decode step
+DEFAULT_MAX_VERIFY_ROWS = 16
 
 
 @dataclass
@@ -379,6 +383,8 @@ class SpeculativeConfig:
     num_draft_layers: "layer_skip"'s depth (fewer than the target's layers).
     disable_by_batch_size: a step with at least this many decoding requests runs without guesses
         (None: never switch off).
+    max_verify_rows: below that, each request guesses at most max_verify_rows // decodes - 1
+        tokens, so the step feeds at most this many rows (None: always k).
     """
 
     method: str = "ngram"
@@ -389,6 +395,7 @@ class SpeculativeConfig:
     quantization: str | None = None
     num_draft_layers: int | None = None
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    max_verify_rows: int | None = DEFAULT_MAX_VERIFY_ROWS
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,
@@ -405,10 +412,10 @@ class SpeculativeConfig:
         _require(self.quantization in DRAFT_QUANTIZATIONS,
                  f"speculative_config.quantization must be one of {DRAFT_QUANTIZATIONS}, "
                  f"got {self.quantization!r}")
-        _require(self.disable_by_batch_size is None
-                 or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
-                 f"speculative_config.disable_by_batch_size must be None or an integer >= 1, "
-                 f"got {self.disable_by_batch_size!r}")
+        for name in ("disable_by_batch_size", "max_verify_rows"):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value >= 1),
+                     f"speculative_config.{name} must be None or an integer >= 1, got {value!r}")
         self._check_method_fields()
 
     def _check_method_fields(self) -> None:

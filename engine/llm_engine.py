@@ -462,13 +462,11 @@ class LLMEngine:
         decoding = [r for r in running if r.is_decoding]
         if self.proposer is None or not decoding:
             return
-        limit = self.speculative.disable_by_batch_size
-        if limit is not None and len(decoding) >= limit:
-            self._events.append({"type": "speculation_off",
-                                 "reason": f"{len(decoding)} decoding requests >= "
-                                           f"disable_by_batch_size={limit}"})
+        k, why_off = self._guesses_per_request(len(decoding))
+        if why_off:
+            self._events.append({"type": "speculation_off", "reason": why_off})
             return
-        asks = [(r, DraftRequest(r.request_id, r.all_token_ids, r.params, self._draft_room(r),
+        asks = [(r, DraftRequest(r.request_id, r.all_token_ids, r.params, self._draft_room(r, k),
                                  len(r.prompt_token_ids))) for r in decoding]
         asks = [(r, a) for r, a in asks if a.num_draft_tokens > 0]
         try:
@@ -484,11 +482,26 @@ class LLMEngine:
             warnings.warn(f"the {self.proposer.name} proposer failed ({exc}); this step decodes "
                           "without guesses", stacklevel=3)
 
-    def _draft_room(self, req: Request) -> int:
+    def _guesses_per_request(self, num_decoding: int) -> tuple[int, str | None]:
+        """(guesses per request this step, or why none): k, cut so that the step feeds at most
+        max_verify_rows rows; none at all from disable_by_batch_size decodes on."""
+        spec = self.speculative
+        limit, rows = spec.disable_by_batch_size, spec.max_verify_rows
+        if limit is not None and num_decoding >= limit:
+            return 0, f"{num_decoding} decoding requests >= disable_by_batch_size={limit}"
+        k = spec.num_speculative_tokens
+        if rows is not None:
+            k = min(k, rows // num_decoding - 1)
+            if k < 1:
+                return 0, (f"{num_decoding} decoding requests leave no room for a guess in "
+                           f"max_verify_rows={rows}")
+        return k, None
+
+    def _draft_room(self, req: Request, k: int) -> int:
         """Guesses worth making for req: k, but never past max_tokens (a verify step emits up to
         len(guesses) + 1 tokens), which also keeps every fed position inside the context."""
         left = req.params.max_tokens - len(req.output_token_ids)
-        return max(0, min(self.speculative.num_speculative_tokens, left - 1))
+        return max(0, min(k, left - 1))
 
     def _checked_guesses(self, proposal, ask: DraftRequest) -> list[int]:
         """A proposal's token ids, checked: at most the guesses asked for, each in the vocabulary,

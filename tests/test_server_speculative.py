@@ -19,7 +19,7 @@ MODEL = "tinylab"
 PROMPTS = ["Make JSON: the name is Ada, city Oslo, 41 years old, job is baker.\nJSON:",
            "Finn lived in a small house near the school. Finn lived in a small house near the"]
 MAX_TOKENS = 24
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None, "max_verify_rows": None}
 
 
 @pytest.fixture(scope="module")

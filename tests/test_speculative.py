@@ -115,7 +115,7 @@ class SpecTrial(Trial):
 
     def __init__(self, seed: int, switches: dict, speed: str):
         super().__init__(seed, switches, speed)
-        spec = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None}
+        spec = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None, "max_verify_rows": None}
         proposer = NgramProposer(1, 2) if seed % 4 == 0 else OracleProposer(self, random.Random(seed))
         if seed % 4 == 1:  # the target's own first layer as the draft, with its own paged cache
             spec, proposer = {**spec, "method": "layer_skip", "num_draft_layers": 1}, None
@@ -329,7 +329,7 @@ def speculative_counts(model, params: SamplingParams) -> tuple[torch.Tensor, tor
     """Sample 3 tokens after PROMPT NUM_SAMPLES times (each request its own seed) with k = 1 guess drawn from a
     q unlike the target's; returns the counts of the 2nd and 3rd tokens and how many guesses were kept."""
     q = torch.softmax(torch.linspace(2.0, -2.0, SMALL_VOCAB), dim=0)
-    spec = {"method": "ngram", "num_speculative_tokens": 1, "disable_by_batch_size": None}
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "disable_by_batch_size": None, "max_verify_rows": None}
     engine = LLMEngine(model, None, engine_config("small", speed="reference", max_num_seqs=64, block_size=4,
                                                   num_blocks=256, enable_prefix_caching=False,
                                                   speculative_config=spec), proposer=FixedQProposer(q))
@@ -370,7 +370,7 @@ def test_the_same_test_rejects_a_planted_wrong_rule(model_and_marginals, monkeyp
 
 # ---- the rest of the engine: int8 KV, stop strings, logprobs, seeds ------------------------------------
 
-TINY_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+TINY_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None, "max_verify_rows": None}
 # copying prompts: prompt lookup's guesses are often right, so verify steps keep several tokens
 COPYING = ["Make JSON: the name is Ada, city Oslo, 41 years old, job is baker.\nJSON:",
            "Finn lived in a small house near the school. Finn lived in a small house near the",

@@ -23,7 +23,7 @@ PROMPTS = ["Make JSON: the job is teacher, city Bern, 57 years old, Hana is the 
 SPECS = {"json": StructuredOutputsParams(json=PERSON), "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]+ \d{2}"),
          "choice": StructuredOutputsParams(choice=["yes", "no", "maybe"]),
          "json_object": StructuredOutputsParams(json_object=True)}
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None, "max_verify_rows": None}
 
 
 @pytest.fixture(scope="module")

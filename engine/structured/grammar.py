@@ -118,9 +118,9 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     """The spec as llguidance's grammar (its own JSON, wrapping a schema or a Lark grammar)."""
     kind = spec.kind
     if kind in ("json", "json_object"):
-        # JSON allows whitespace before a value (RFC 8259: ws value ws), and models that learned to
-        # answer " {" (tinylab does) would otherwise be pushed into a '{"' they never saw; one optional
-        # space, not any amount, so a small model cannot fill max_tokens with blanks
+        # JSON allows whitespace before a value (RFC 8259: ws value ws), and models that learned
+        # to answer " {" (tinylab does) would otherwise be pushed into a '{"' they never saw; one
+        # optional space, not any amount, so a small model cannot fill max_tokens with blanks
         schema = json.dumps(_json_schema(spec))
         return llguidance.grammar_from("lark", f'start: " "? value\nvalue: %json {schema}')
     if kind == "regex":
