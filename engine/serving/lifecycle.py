@@ -140,10 +140,21 @@ def startup_lines(openai: OpenAIServer) -> list[str]:
         f"{pool.num_blocks / per_request:.2f}x (max_num_seqs {cfg.scheduler.max_num_seqs})",
         f"prefix caching {'on' if cfg.cache.enable_prefix_caching else 'off'}, "
         f"chunked prefill {'on' if cfg.scheduler.enable_chunked_prefill else 'off'}",
+        _speculation_line(engine),
         f"trace: {kept}, {trace.summary_steps} step summaries"
         + (f", every step to {trace.file} (rotated at {trace.file_max_bytes / 2**20:g} MiB)"
            if trace.file is not None else ""),
     ]
+
+
+def _speculation_line(engine) -> str:
+    """Chapter 12's settings, as vLLM logs its speculative config."""
+    spec = engine.speculative
+    if engine.proposer is None:
+        return "speculative decoding off"
+    return (f"speculative decoding: {engine.proposer.name}, {spec.num_speculative_tokens} guesses per "
+            f"step, off from {spec.disable_by_batch_size} decoding requests, at most "
+            f"{spec.max_verify_rows} rows per step")
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
