@@ -152,8 +152,8 @@ def _speculation_line(engine) -> str:
     spec = engine.speculative
     if engine.proposer is None:
         return "speculative decoding off"
-    return (f"speculative decoding: {engine.proposer.name}, {spec.num_speculative_tokens} guesses per "
-            f"step, off from {spec.disable_by_batch_size} decoding requests, at most "
+    return (f"speculative decoding: {engine.proposer.name}, {spec.num_speculative_tokens} guesses "
+            f"per step, off from {spec.disable_by_batch_size} decoding requests, at most "
             f"{spec.max_verify_rows} rows per step")
 
 
