@@ -150,6 +150,7 @@ class LLMEngine:
                                      if self.speculative else None)
         self.requests: dict[str, Request] = {}
         self.grammars = None  # chapter 13: engine/structured/grammar.py's GrammarCache, when needed
+        self._row_errors: dict[Request, str] = {}  # this step's requests whose grammar failed
         self.trace = Trace(config=self._config_dict(num_blocks, swap_blocks))
         self._events: list[dict] = []  # arrivals and aborts since the last step
         self._finished: dict[str, str] = {}  # finished since the last step's report: id -> reason
@@ -548,6 +549,7 @@ class LLMEngine:
         happened, so they go back to `waiting` to be recomputed (always right, at the price of a
         prefill). Everyone else is untouched, and the next step serves them as usual. The caller
         re-raises."""
+        self._row_errors = {}  # every sequence of the step fails below anyway
         queues, blocks = self._queue_snapshot(), self._block_snapshot()
         now, error, events = self.clock(), f"{type(exc).__name__}: {exc}", []
         for req in [r for r in at_risk if not r.is_finished]:
@@ -604,8 +606,13 @@ class LLMEngine:
         for w, lo, hi in verifies:
             req = w.request
             q = None if req.draft_probs is None else req.draft_probs[:len(w.draft_token_ids)]
-            sampled[req] = verify(logits[lo:hi], w.draft_token_ids, req.sampling, self.eos, q,
-                                  argmax=self.acceleration.argmax)
+            try:
+                sampled[req] = verify(logits[lo:hi], w.draft_token_ids, req.sampling, self.eos, q,
+                                      argmax=self.acceleration.argmax)
+            except Exception as exc:  # noqa: BLE001 - a grammar's failure is its request's alone
+                if req.sampling.grammar is None:
+                    raise
+                self._row_errors[req] = f"{type(exc).__name__}: {exc}"
         time_s.sample = time.perf_counter() - t1
         n_prefill = sum(w.end - w.start for w in sched.work if w.phase == "prefill")
         n_all = sum(w.end - w.start for w in sched.work)
@@ -628,13 +635,53 @@ class LLMEngine:
                 req.prompt_logprobs[position] = top_logprobs(rows[j].float(), prompt[position], k)
 
     def _sample(self, logits, owners: list[Request], rows: list[int]) -> dict[Request, list[tuple]]:
-        """One token for each owner, from its row of the logits [S, V] (none: an empty call)."""
+        """One token for each owner, from its row of the logits [S, V] (none: an empty call).
+
+        A request's grammar can fail (its library gives up on a pathological schema mid-output):
+        then we sample the rows one by one, and only the requests whose grammar failed end with
+        "error" (`_row_errors`, handled in `_update`); everyone else's token is as before."""
         # [len(owners), V]
         picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        out = sample(picked, [r.sampling for r in owners], self.eos,
-                     argmax=self.acceleration.argmax)  # model dtype: plain greedy rows need no copy
+        try:
+            # model dtype: plain greedy rows need no copy
+            out = sample(picked, [r.sampling for r in owners], self.eos,
+                         argmax=self.acceleration.argmax)
+        except Exception:
+            if all(r.sampling.grammar is None for r in owners):
+                raise
+            return self._sample_one_by_one(picked, owners)
         return {req: [pair] for req, pair in zip(owners, zip(out.token_ids.tolist(), out.logprobs,
                                                              strict=True), strict=True)}
+
+    def _sample_one_by_one(self, picked, owners: list[Request]) -> dict[Request, list[tuple]]:
+        sampled = {}
+        for i, req in enumerate(owners):
+            try:
+                out = sample(picked[i:i + 1], [req.sampling], self.eos,
+                             argmax=self.acceleration.argmax)
+                sampled[req] = [(int(out.token_ids[0]), out.logprobs[0])]
+            except Exception as exc:  # noqa: BLE001
+                if req.sampling.grammar is None:
+                    raise
+                self._row_errors[req] = f"{type(exc).__name__}: {exc}"
+        return sampled
+
+    def _finish_with_errors(self, now: float, events: list[dict]) -> None:
+        """The requests whose grammar failed this step (and the samples waiting to fork from them)
+        end with reason "error" and give their blocks back."""
+        errors, self._row_errors = self._row_errors, {}
+        for req, error in errors.items():
+            for seq in (req, *req.pending_forks):
+                if seq.is_finished:
+                    continue
+                self.scheduler.finish(seq)
+                self._forget_guesses(seq)
+                seq.finish("error", now)
+                seq.error = error
+                self._finished[seq.request_id] = "error"
+                events.append({"type": "finished", "request_id": seq.request_id,
+                               "reason": "error", "error": error})
+            req.pending_forks = []
 
     def _update(self, sched: SchedulerOutput, sampled: dict,
                 start: float) -> tuple[list[ScheduledRequest], list[dict]]:
@@ -646,6 +693,9 @@ class LLMEngine:
             req = w.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = start
+            if req in self._row_errors:
+                scheduled.append(ScheduledRequest(req.request_id, w.phase, w.start, w.end, 0))
+                continue
             emitted = sampled.get(req, [])
             if w.draft_token_ids:
                 scheduled.append(self._accept(w, emitted, now, events))
@@ -659,6 +709,7 @@ class LLMEngine:
             if not emitted:
                 continue
             forks, req.pending_forks = req.pending_forks, []
+            forks = [c for c in forks if c not in self._row_errors]  # (those end below)
             for child in forks:  # before req may finish and free the blocks they share
                 self.scheduler.fork(req, child)
                 child.first_scheduled_time = start
@@ -668,6 +719,7 @@ class LLMEngine:
                                                   [sampled[child][0]]))
             for seq in (req, *forks):
                 self._append(seq, *sampled[seq][0], now, events)
+        self._finish_with_errors(now, events)
         return scheduled, events
 
     def _accept(self, w: ScheduledWork, emitted: list[tuple], now: float,

@@ -74,3 +74,34 @@ def test_a_constraint_that_cannot_compile_is_refused_and_leaves_no_trace(tinylab
         llm.engine.add_request("hi", SamplingParams(structured_outputs=spec))
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.usage().used_blocks == 0
+
+
+def test_a_failing_grammar_fails_its_request_only(tinylab, monkeypatch):
+    """A grammar library that gives up mid-output (a pathological schema) ends that request with "error"; the
+    other requests of the same steps get exactly their tokens."""
+    from engine.structured import grammar
+
+    real = grammar.GrammarMatcher.allowed
+    calls = {"n": 0}
+
+    def flaky(self, vocab_size=None):
+        calls["n"] += 1
+        if calls["n"] >= 3:  # from its third step on, as a real library error would repeat
+            raise RuntimeError("parser too complex")
+        return real(self, vocab_size)
+
+    monkeypatch.setattr(grammar.GrammarMatcher, "allowed", flaky)
+    model, tok = tinylab
+    plain = SamplingParams(temperature=0, max_tokens=16)
+    llm = LLM(model, tok)
+    alone = llm.generate(PROMPTS[2], plain, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    bad = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16,
+                                                         structured_outputs=SPECS["json"]))
+    good = engine.add_request(PROMPTS[2], plain)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_request(bad).finish_reason == "error"
+    assert "parser too complex" in engine.get_request(bad).error
+    assert engine.get_request(good).output_token_ids == alone
+    assert engine.block_manager.usage().used_blocks == 0
