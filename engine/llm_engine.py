@@ -63,9 +63,10 @@ from engine.request import SWAPPED, Request, validate_token_ids
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample, top_logprobs
 from engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
-from engine.speculative.proposer import DraftRequest, Proposer
+from engine.speculative.proposer import Proposer
 from engine.speculative.registry import make_proposer
 from engine.speculative.rejection import verify
+from engine.speculative.speculator import Speculator
 from engine.speed import accelerate
 from engine.threads import default_num_threads, torch_threads
 from engine.tokenizer import Tokenizer, encode_prompt, eos_ids
@@ -148,6 +149,8 @@ class LLMEngine:
         self.proposer = proposer or (make_proposer(self.speculative, model, tokenizer, config,
                                                    self.num_threads)
                                      if self.speculative else None)
+        self.speculator = (Speculator(self.speculative, self.proposer, cfg.vocab_size)
+                           if self.proposer else None)
         self.requests: dict[str, Request] = {}
         self.grammars = None  # chapter 13: engine/structured/grammar.py's GrammarCache, when needed
         self._row_errors: dict[Request, str] = {}  # this step's requests whose grammar failed
@@ -426,8 +429,9 @@ class LLMEngine:
         report."""
         start, t0 = self.clock(), time.perf_counter()
         s = self.scheduler
-        with torch_threads(self.num_threads):
-            self._propose()  # chapter 12: guesses for the decodes, before the scheduler budgets
+        if self.speculator is not None:  # chapter 12: guesses, before the scheduler budgets them
+            with torch_threads(self.num_threads):
+                self.speculator.propose(self.scheduler.running, self._events)
         t_proposed = time.perf_counter()
         sched = s.schedule()
         if not sched.work and s.has_unfinished():  # a bug, not a state to wait in: fail loudly
@@ -450,80 +454,10 @@ class LLMEngine:
                             sched.events + finish_events)
 
     # ---- speculative decoding (chapter 12) -------------------------------------------------------
-    def _propose(self) -> None:
-        """Ask the proposer for guesses for every running request whose next step is a decode; the
-        scheduler then budgets 1 + len(guesses) tokens for it (or fewer, engine/scheduler.py).
-
-        No guesses at all when the step is too busy to gain (`disable_by_batch_size`), recorded as a
-        "speculation_off" event. A proposer that raises costs its guesses, not the step: the error
-        is recorded as a "speculation_error" event and the step decodes plainly."""
-        running = self.scheduler.running
-        for req in running:
-            req.draft_token_ids, req.draft_probs = [], None
-        decoding = [r for r in running if r.is_decoding]
-        if self.proposer is None or not decoding:
-            return
-        k, why_off = self._guesses_per_request(len(decoding))
-        if why_off:
-            self._events.append({"type": "speculation_off", "reason": why_off})
-            return
-        asks = [(r, DraftRequest(r.request_id, r.all_token_ids, r.params, self._draft_room(r, k),
-                                 len(r.prompt_token_ids))) for r in decoding]
-        asks = [(r, a) for r, a in asks if a.num_draft_tokens > 0]
-        try:
-            proposals = self.proposer.propose([a for _, a in asks]) if asks else []
-            for (req, ask), proposal in zip(asks, proposals, strict=True):
-                req.draft_token_ids = self._checked_guesses(proposal, ask)
-                req.draft_probs = proposal.probs
-        except Exception as exc:  # noqa: BLE001 - a proposer's bug must not stop the serving
-            for req in running:
-                req.draft_token_ids, req.draft_probs = [], None
-            self._events.append({"type": "speculation_error",
-                                 "error": f"{type(exc).__name__}: {exc}"})
-            warnings.warn(f"the {self.proposer.name} proposer failed ({exc}); this step decodes "
-                          "without guesses", stacklevel=3)
-
-    def _guesses_per_request(self, num_decoding: int) -> tuple[int, str | None]:
-        """(guesses per request this step, or why none): k, cut so that the step feeds at most
-        max_verify_rows rows; none at all from disable_by_batch_size decodes on."""
-        spec = self.speculative
-        limit, rows = spec.disable_by_batch_size, spec.max_verify_rows
-        if limit is not None and num_decoding >= limit:
-            return 0, f"{num_decoding} decoding requests >= disable_by_batch_size={limit}"
-        k = spec.num_speculative_tokens
-        if rows is not None:
-            k = min(k, rows // num_decoding - 1)
-            if k < 1:
-                return 0, (f"{num_decoding} decoding requests leave no room for a guess in "
-                           f"max_verify_rows={rows}")
-        return k, None
-
-    def _draft_room(self, req: Request, k: int) -> int:
-        """Guesses worth making for req: k, but never past max_tokens (a verify step emits up to
-        len(guesses) + 1 tokens), which also keeps every fed position inside the context."""
-        left = req.params.max_tokens - len(req.output_token_ids)
-        return max(0, min(k, left - 1))
-
-    def _checked_guesses(self, proposal, ask: DraftRequest) -> list[int]:
-        """A proposal's token ids, checked: at most the guesses asked for, each in the vocabulary,
-        and a `probs` of one row per guess when given."""
-        where = f"the {self.proposer.name} proposer's guesses for request {ask.request_id!r}"
-        guesses = validate_token_ids(proposal.token_ids, self.model.config.vocab_size, where,
-                                     allow_empty=True)
-        if len(guesses) > ask.num_draft_tokens:
-            raise ValueError(f"{where}: {len(guesses)} guesses, at most "
-                             f"{ask.num_draft_tokens} were asked for")
-        probs = proposal.probs
-        if probs is not None and tuple(probs.shape) != (len(guesses),
-                                                        self.model.config.vocab_size):
-            raise ValueError(f"{where}: probs must be [{len(guesses)}, "
-                             f"{self.model.config.vocab_size}], got {tuple(probs.shape)}")
-        return guesses
-
     def _forget_guesses(self, req: Request) -> None:
         """req is done (finished, aborted, failed): its proposer state can go."""
-        if self.proposer is not None:
-            self.proposer.forget(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req)
 
     def _record(self, start: float, t0: float, time_s: TimeSplit,
                 scheduled: list[ScheduledRequest], queues: QueueSnapshot, blocks: BlockSnapshot,

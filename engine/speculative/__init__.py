@@ -15,13 +15,16 @@ about the same step, so if someone can guess the next k tokens, one step checks 
 Greedy outputs are exactly the ones plain decoding gives (the target chooses every emitted token),
 and with sampling the rejection rule keeps the target's distribution exactly (`rejection.py`).
 
-    proposer.py     the Proposer protocol, what a proposer sees, and `make_proposer`
+    proposer.py     the Proposer protocol and what a proposer sees; registry.py builds the one a
+                    config names
+    speculator.py   the engine's side before each step: how many guesses, from whom, and when none
     ngram.py        prompt lookup: copy what followed the last n tokens earlier in the text
     draft_model.py  a smaller model (or the target's first layers) with its own paged KV cache
     rejection.py    verification: accept a prefix of the guesses, exactly
 
-The engine's side (engine/llm_engine.py): propose before scheduling, the scheduler budgets k + 1
-tokens for a request with guesses (engine/scheduler.py), the runner feeds them as k + 1 decode
-rows of one sequence (engine/runner.py), and the block manager rolls back the slots of rejected
-guesses (engine/kv/block_manager.py's `rollback`).
+The engine's side: the Speculator proposes before scheduling (speculator.py), the scheduler
+budgets k + 1 tokens for a request with guesses (engine/scheduler.py), the runner feeds them as
+k + 1 decode rows of one sequence (engine/runner.py), and the engine verifies them and has the
+block manager roll back the slots of rejected guesses (engine/llm_engine.py's `_accept`,
+engine/kv/block_manager.py's `rollback`).
 """
