@@ -1,12 +1,12 @@
-"""Chapter 13: the server's OpenAI surface for structured outputs, logprobs, echo, logit bias and tools,
-through the official `openai` client on a loopback port (engine/serving/openai_fields.py).
+"""Chapter 13: the server's OpenAI surface for structured outputs, logprobs, echo, logit bias and tools, through
+the official `openai` client on a loopback port (engine/serving/openai_fields.py).
 
 Constrained answers always parse and fit their schema (checked by hand below; the real model's answers are
-checked with jsonschema in tests/test_server_structured_smollm2.py); tool calls come back as `tool_calls`
-with schema-valid arguments, streamed in pieces that add up to the whole call; logprobs equal the engine's
-own (LLM.generate / LLM.chat on the same weights); echo + logprobs give the prompt's logprobs as lm-eval's `local-completions` reads them; logit_bias bans and forces
-tokens; what we do not do (best_of != n, tool_choice "auto", two constraints, a schema that does not compile)
-is a 400 naming the field, and the engine keeps nothing of it."""
+checked with jsonschema in tests/test_server_structured_smollm2.py); tool calls come back as `tool_calls` with
+schema-valid arguments, streamed in pieces that add up to the whole call; logprobs equal the engine's own
+(LLM.generate / LLM.chat on the same weights); echo + logprobs give the prompt's logprobs as lm-eval's `local-
+completions` reads them; logit_bias bans and forces tokens; what we do not do (best_of != n, tool_choice "auto",
+two constraints, a schema that does not compile) is a 400 naming the field, and the engine keeps nothing of it."""
 
 from __future__ import annotations
 
