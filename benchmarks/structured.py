@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 import torch  # noqa: E402
 
 from benchmarks._common import REAL_MODEL, markdown_table, write_results  # noqa: E402
+from engine.lab.speculative import is_decode_step, step_in_turn  # noqa: E402  (thread CPU time at one thread)
 from engine.lab.structured import (  # noqa: E402
     EXTRACT_TASK,
     SCHEMAS,
@@ -278,30 +279,6 @@ class Run:
     @property
     def tok_s(self) -> float:
         return self.decode_tokens / self.decode_s
-
-
-def step_in_turn(engines: dict) -> dict[str, dict[int, float]]:
-    """Step every engine in turn until all are done; {label: {trace index: thread CPU seconds of that step}}.
-    The garbage collector is off meanwhile (as timeit does), so no step is charged a full collection."""
-    seconds: dict[str, dict[int, float]] = {label: {} for label in engines}
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        while any(e.has_unfinished_requests() for e in engines.values()):
-            for label, engine in engines.items():
-                if engine.has_unfinished_requests():
-                    t0 = time.thread_time()
-                    engine.step()
-                    seconds[label][len(engine.trace.steps) - 1] = time.thread_time() - t0
-    finally:
-        if collecting:
-            gc.enable()
-    return seconds
-
-
-def is_decode_step(s) -> bool:
-    return bool(s.scheduled) and all(x.phase == "decode" for x in s.scheduled)
 
 
 def one_round(engines: dict, params: dict, prompts: list[list[int]], batch: int) -> dict[str, Run]:

@@ -1,23 +1,20 @@
 """Chapter 13's mutants: the classic mistakes of structured outputs, each patched into the reference
 solution (the same machinery as tests/test_exercise_mutants.py: `old` must occur exactly once in the
-function), each naming the check that must fail on it. The table in exercises/README.md lists, per
-check, every mutant it catches:
-
-    python tests/test_exercise_mutants_ch13.py     # print chapter 13's rows of that table
+function), each naming the check that must fail on it. tests/test_exercise_mutants.py counts them
+per function and checks that exercises/README.md lists each one (`python tests/test_exercise_mutants.py` prints
+the table).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 import types
 
 import pytest
 
 import exercises
 from engine import sampling
-from test_exercise_mutants import MIN_MUTANTS_PER_FUNCTION, README, Mutant, mutated_module
+from test_exercise_mutants import Mutant, mutated_module
 
 CHAPTER = "ch13"
 EDGE = "transitions.get(state, {}).get(char)"
@@ -146,24 +143,10 @@ def test_the_named_check_fails_on_the_mutant(mutant):
         checks[mutant.caught_by](module)
 
 
-def test_every_solution_function_has_enough_mutants():
-    solutions = exercises.load_module(CHAPTER, solutions=True)
-    public = [name for name, value in vars(solutions).items()
-              if inspect.isfunction(value) and not name.startswith("_") and value.__module__ == solutions.__name__]
-    counts = {name: sum(m.function == name for m in MUTANTS) for name in public}
-    assert len(public) == 6 and all(n >= MIN_MUTANTS_PER_FUNCTION for n in counts.values()), counts
-
-
 def test_every_check_fails_on_some_mutant():
     """No check is there for show: each one fails on at least one of the mistakes above."""
     caught = _caught()
     assert [name for name, _ in exercises.load_checks(CHAPTER) if not caught.get(name)] == []
-
-
-def test_the_readme_table_lists_every_ch13_mutant():
-    readme = README.read_text()
-    missing = [m.id for m in MUTANTS if f"`{m.function}`: {m.mistake}" not in readme]
-    assert not missing, f"exercises/README.md lacks these mutants (run python {__file__}): {missing}"
 
 
 def test_the_engine_logit_bias_passes_the_ch13_logit_bias_checks_under_the_exercise_name():
@@ -183,14 +166,3 @@ def _caught() -> dict[str, tuple[str, ...]]:
                 label = f"`{m.function}`: {m.mistake}"
                 caught.setdefault(r.name, []).append(f"**{label}**" if r.name == m.caught_by else label)
     return {name: tuple(labels) for name, labels in caught.items()}
-
-
-def readme_rows() -> str:
-    """Chapter 13's rows of the README table."""
-    caught = _caught()
-    return "\n".join(f"| {CHAPTER} | `{name}` | {'; '.join(caught.get(name, ())) or '-'} |"
-                     for name, _ in exercises.load_checks(CHAPTER))
-
-
-if __name__ == "__main__":
-    sys.exit(print(readme_rows()))

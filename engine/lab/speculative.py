@@ -75,7 +75,7 @@ class FixedGuesses:
         """Nothing to drop."""
 
 
-def _is_decode_step(report: StepReport) -> bool:
+def is_decode_step(report: StepReport) -> bool:
     """Every request of the step decodes (no prefill chunk shares its time)."""
     return bool(report.scheduled) and all(x.phase == "decode" for x in report.scheduled)
 
@@ -91,7 +91,7 @@ def step_clock() -> tuple[str, Callable[[], float]]:
     return "wall time", time.perf_counter
 
 
-def _step_in_turn(engines: Mapping[str, LLMEngine]) -> dict[str, dict[int, float]]:
+def step_in_turn(engines: Mapping[str, LLMEngine]) -> dict[str, dict[int, float]]:
     """Step every engine in turn until all are done, so that a busy moment of the machine hits
     each alike; {label: {trace index: seconds of that step by step_clock}}.
 
@@ -143,9 +143,9 @@ def verify_step_costs(model: LlamaModel, tokenizer, prompt_ids: Sequence[int],
         engine.add_request(list(prompt_ids), SamplingParams(temperature=0.0, max_tokens=new_tokens,
                                                             ignore_eos=True), request_id="r")
         engines[k] = engine
-    seconds, rows = _step_in_turn(engines), []
+    seconds, rows = step_in_turn(engines), []
     for k, engine in engines.items():
-        timed = [seconds[k][i] for i, s in enumerate(engine.trace.steps) if _is_decode_step(s)]
+        timed = [seconds[k][i] for i, s in enumerate(engine.trace.steps) if is_decode_step(s)]
         timed = timed[warmup:]
         rows.append({"k": k, "tokens_fed": k + 1, "steps": len(timed), "clock": step_clock()[0],
                      "step_s": statistics.median(timed)})
@@ -205,7 +205,7 @@ def decode_speed(reports: Sequence[StepReport],
     their number."""
     tokens, total, steps = 0, 0.0, 0
     for i, s in enumerate(reports):
-        if _is_decode_step(s):
+        if is_decode_step(s):
             tokens += sum(x.tokens_out for x in s.scheduled)
             total += s.time_s.total if seconds is None else seconds[i]
             steps += 1
@@ -234,7 +234,7 @@ def serve_side_by_side(model: LlamaModel, tokenizer, prompts: Sequence[str | Seq
             engine.add_request(prompt if isinstance(prompt, str) else list(prompt), params,
                                request_id=rid)
         engines[label] = engine
-    seconds = _step_in_turn(engines)
+    seconds = step_in_turn(engines)
     served = {label: Served(label, [e.get_request(i).output_token_ids for i in ids],
                             spec_decode_stats(e.trace.steps),
                             *decode_speed(e.trace.steps, seconds[label]), e.trace)

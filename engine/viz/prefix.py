@@ -40,6 +40,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from engine.kv.prefix_cache import block_hashes
 from engine.viz._figure import fail as _fail
+from engine.viz._figure import need_rows as _need
 from engine.viz._figure import new_figure as _new_figure
 
 HASH_DIGITS = 6  # hex digits of a hash printed in a cell: enough to tell a handful of blocks apart
@@ -189,14 +190,6 @@ def render_hash_chain(requests: Mapping[str, Sequence[int]], block_size: int,
 
 
 # ---- measurements --------------------------------------------------------------------------------
-
-
-def _need(func: str, rows: Sequence[Mapping], keys: Sequence[str]) -> None:
-    if not rows:
-        _fail(func, "rows", "is empty: give at least one measured row")
-    missing = [k for k in keys if k not in rows[0]]
-    if missing:
-        _fail(func, "rows", f"lack the key(s) {missing}; each row needs {list(keys)}")
 
 
 def render_prefix_sweep(rows: Sequence[Mapping], threads: int | None = None) -> Figure:

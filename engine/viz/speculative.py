@@ -39,6 +39,7 @@ from torch import Tensor
 from engine.lab.speculative import expected_tokens_per_step
 from engine.trace import Trace
 from engine.viz._figure import fail as _fail
+from engine.viz._figure import need_rows as _need
 from engine.viz._figure import new_figure as _new_figure
 
 MS = 1e3  # seconds -> milliseconds
@@ -60,14 +61,6 @@ SMALLEST_P_SHOWN = 1e-16
 
 def _threads_note(threads: int | None) -> str:
     return f" ({threads} torch thread{'s' if threads != 1 else ''})" if threads else ""
-
-
-def _need(func: str, rows: Sequence[Mapping], keys: Sequence[str]) -> None:
-    if not rows:
-        _fail(func, "rows", "is empty: give at least one measured row")
-    missing = sorted({k for r in rows for k in keys if k not in r})
-    if missing:
-        _fail(func, "rows", f"lack the key(s) {missing}; each row needs {list(keys)}")
 
 
 # ---- why it works --------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from engine.structured.regex_dfa import DEAD, DFA, TokenTable, format_dfa
 from engine.viz._figure import fail as _fail
+from engine.viz._figure import need_rows as _need
 from engine.viz._figure import new_figure as _new_figure
 
 MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds
@@ -65,14 +66,6 @@ MAX_STATE_TICKS = 24  # state numbers written under the per-state bars (every k-
 TOP_SHOWN = 10  # tokens drawn in each panel of the before/after figure
 MAX_LABEL_CHARS = 10  # characters of a token's text in a tick label
 PRINTABLE, SPACE = (0x21, 0x7E), 0x20  # "!" .. "~" print as themselves; the space as "␣"
-
-
-def _need(func: str, rows: Sequence[Mapping], keys: Sequence[str]) -> None:
-    if not rows:
-        _fail(func, "rows", "is empty: give at least one measured row")
-    missing = sorted({k for r in rows for k in keys if k not in r})
-    if missing:
-        _fail(func, "rows", f"lack the key(s) {missing}; each row needs {list(keys)}")
 
 
 def token_label(piece: bytes | None, token_id: int | None = None) -> str:
