@@ -331,6 +331,28 @@ def cmd_diagnose(args) -> None:
     diagnose_main(args.trace)
 
 
+def cmd_doctor(args) -> None:
+    """What the fast wing chose on this machine for a model, and the measured reasons
+    (engine/fast/tuning.py); --retune measures again instead of reading the cache."""
+    from engine.llm import LLM
+    from engine.speed import remeasure_on_build, tuning_machine
+
+    if args.retune:
+        remeasure_on_build()
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, speed="fast", num_threads=args.threads)
+    facts = tuning_machine(llm.engine.num_threads)
+    print(f"machine: {facts['cpu']}; flags {' '.join(facts['flags']) or 'none of interest'}; "
+          f"torch {facts['torch']}; {facts['threads']} torch thread(s) for {args.model} "
+          f"({args.dtype})")
+    print(f"built in {time.perf_counter() - t0:.1f} s (measuring included, where it measured)\n")
+    reasons = llm.engine.acceleration.reasons
+    for name, choice in llm.engine.acceleration.choices.items():
+        print(f"{name}: {choice}")
+        if name in reasons:
+            print(f"    why: {reasons[name]}")
+
+
 def cmd_bench_serve(args) -> None:
     from engine.serving.bench_serve import run_cli
 
@@ -514,6 +536,15 @@ def main(argv=None) -> None:
     dg.add_argument("trace",
                     help="a Trace saved as JSON (Trace.save; python -m engine.lab.incidents)")
     dg.set_defaults(func=cmd_diagnose)
+    dr = sub.add_parser("doctor", help="the fast paths chosen on this machine, and the measured "
+                                       "reasons (cached per CPU, flags, dtype, shape class)")
+    dr.add_argument("--model", default="tinylab")
+    dr.add_argument("--dtype", default="float32", choices=DTYPES)
+    dr.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 for small models, else every core)")
+    dr.add_argument("--retune", action="store_true",
+                    help="measure again and overwrite this machine's cached answers")
+    dr.set_defaults(func=cmd_doctor)
     args = p.parse_args(argv)
     try:
         args.func(args)

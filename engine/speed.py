@@ -33,3 +33,19 @@ def accelerate(model, kv_pool: PagedKVPool, config: EngineConfig, sliding_window
     acceleration = fast(model, kv_pool, config.fast, sliding_window, num_threads, transform_model)
     acceleration.choices = {"speed": "fast", **acceleration.choices}
     return acceleration
+
+
+def tuning_machine(num_threads: int) -> dict:
+    """What the fast wing's measured choices are keyed by on this machine (CPU, flags, torch,
+    threads: engine/fast/tuning.py), for `python -m engine doctor`."""
+    from engine.fast import machine_facts
+
+    return machine_facts(num_threads)
+
+
+def remeasure_on_build() -> None:
+    """Make engines built from now on in this process measure their fast paths again and overwrite
+    the cached answers (`doctor --retune`)."""
+    from engine.fast import remeasure_on_build as remeasure
+
+    remeasure()

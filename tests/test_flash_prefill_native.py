@@ -144,11 +144,15 @@ def test_long_bf16_prompts_go_to_torchs_kernel_where_the_cpu_has_bf16_instructio
     plans = [PrefillPlan(None, 0, None, None)] * 2
     q = torch.empty(10 + longest, 9, 64, dtype=torch.bfloat16)
     attention = object.__new__(attention_module.PlannedAttention)
-    attention.backend = "native"
+    attention.backend, attention.c_prefill_tokens = "native", None  # None: probes.py's rule
     for hardware, expected in ((True, [0]), (False, [0, 1])):
         monkeypatch.setattr(probes, "bf16_instructions", lambda h=hardware: h)
         assert attention._c_prefill_chunks(meta, plans, q, torch.bfloat16, None) == expected
     assert attention._c_prefill_chunks(meta, plans, q.float(), torch.float32, None) == [0, 1]
     assert attention._c_prefill_chunks(meta, plans, q, torch.float32, None) == []  # pools of another dtype
+    attention.c_prefill_tokens = 9  # a measured limit (engine/fast/tuning.py) replaces the rule
+    assert attention._c_prefill_chunks(meta, plans, q.float(), torch.float32, None) == []
+    attention.c_prefill_tokens = 10
+    assert attention._c_prefill_chunks(meta, plans, q.float(), torch.float32, None) == [0]
     attention.backend = "sdpa"
     assert attention._c_prefill_chunks(meta, plans, q, torch.bfloat16, None) == []

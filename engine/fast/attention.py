@@ -108,11 +108,15 @@ class PlannedAttention(PagedAttention):
     """The "sdpa" and "native" backends: the step's checks and indices done once, at layer 0
     (`plan`)."""
 
-    def __init__(self, kv_pool, backend: str, sliding_window: int | None = None):
+    def __init__(self, kv_pool, backend: str, sliding_window: int | None = None,
+                 c_prefill_tokens: int | None = None):
         if backend not in ("sdpa", "native"):
             raise ValueError(f"PlannedAttention runs 'sdpa' or 'native', not {backend!r}")
         super().__init__(kv_pool, sliding_window)
         self.backend = backend
+        # the longest whole prompt the C flash-prefill kernel takes (measured on this machine:
+        # engine/fast/tuning.py); None: probes.py's rule, asked once per step
+        self.c_prefill_tokens = c_prefill_tokens
         # the decode kernel, picked once: C straight from the pools, or torch's fused attention
         self.decode = decode_native_planned if backend == "native" else decode_planned
 
@@ -149,7 +153,10 @@ class PlannedAttention(PagedAttention):
         if (self.backend != "native" or not meta.prefills or scales is not None
                 or q.dtype != pool_dtype):
             return []
-        longest = c_prefill_max_tokens(q) if heads_side_by_side(q) else 0  # once per step
+        if not heads_side_by_side(q):
+            return []
+        longest = (c_prefill_max_tokens(q) if self.c_prefill_tokens is None
+                   else self.c_prefill_tokens)  # once per step
         return [i for i, (c, plan) in enumerate(zip(meta.prefills, prefills, strict=True))
                 if plan.mask is None and c.hi - c.lo <= longest]
 
@@ -184,3 +191,20 @@ class PlannedAttention(PagedAttention):
             out[rows] = prefill_planned(q[rows], k_pool, v_pool, plan, self.scale, scales,
                                         fresh=(k[rows], v[rows]))
         return out[None]  # [1, N, H, D]
+
+
+def prefill_race(dtype: torch.dtype, H: int, Hkv: int, D: int):
+    """T -> (C flash-prefill ms, torch fused-attention ms) for one whole T-token prompt of random
+    q/k/v: what engine/fast/tuning.py races to find how long a prompt the C kernel should take."""
+    from engine.fast.tuning import median_ms
+    from kernels.paged_attention.sdpa import _attend_causal
+
+    def race(T: int) -> tuple[float, float]:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(T, H, D, generator=gen).to(dtype)  # [T, H, D]
+        k, v = (torch.randn(T, Hkv, D, generator=gen).to(dtype) for _ in range(2))  # [T, Hkv, D]
+        bounds, out, scale = torch.tensor([[0, T]], dtype=torch.int64), torch.empty_like(q), D**-0.5
+        c_ms = median_ms(lambda: flash_prefill_planned(q, k, v, scale, bounds, out), repeats=3)
+        torch_ms = median_ms(lambda: _attend_causal(q[None], k[None], v[None], scale), repeats=3)
+        return c_ms, torch_ms
+    return race

@@ -109,7 +109,9 @@ class NativeLayers:
         self.attention, self.dtype, self._keep = attention, model.embed_tokens.weight.dtype, []
         # decode steps of up to this many sequences: the matrix-vector products' regime
         # (engine/fast/packed_linear.py); with quantized layers, no more rows than the fused
-        # quantized kernel takes in Python (FUSED_MAX_ROWS)
+        # quantized kernel takes in Python (FUSED_MAX_ROWS). probes.py's limit, not the packed
+        # layers' measured gemv_rows (engine/fast/tuning.py): a matmul race misses what the C
+        # layers save, the step's ~500 torch ops
         quantized = any(isinstance(m, QuantLinear)
                         for layer in model.layers for m in _linears(layer).values())
         self.max_rows = (min(gemv_max_rows(self.dtype), FUSED_MAX_ROWS) if quantized

@@ -24,8 +24,9 @@ benchmarks/results/packed_linear_layouts.md):
   it computes in bf16 where the CPU has bf16 instructions (avx512_bf16, AMX), and otherwise in fp32
   from an fp32 copy (an emulated bf16 GEMM is several times slower than an fp32 one).
 
-Where each row count goes is engine/fast/probes.py's decision (`gemv_max_rows`,
-`COLUMN_BLOCK_MAX_ROWS`). The numbers are the model's: `PackedLinear(x)` equals `nn.Linear(x)` up to
+Where each row count goes is measured once per machine and shape class (engine/fast/tuning.py),
+with engine/fast/probes.py's constants (`gemv_max_rows`, `COLUMN_BLOCK_MAX_ROWS`) as the
+unmeasured default. The numbers are the model's: `PackedLinear(x)` equals `nn.Linear(x)` up to
 float rounding (the sums happen in a different order), and the engine's greedy tokens equal the
 naive loop's (the tests check both). fp16 and GPUs are left as nn.Linear ("auto"): cuBLAS reads
 either layout at full speed.
@@ -50,6 +51,7 @@ from engine.fast.probes import (
     gemv_max_rows,
     onednn_available,
 )
+from engine.fast.tuning import LinearPlan, Tuning
 from engine.surgery import replaced
 from kernels.gemv import gemv_native, why_gemv_cannot_run
 
@@ -64,14 +66,17 @@ class PackedLinear(nn.Module):
                         whole point at batch 1);
                         else fp32: `packed` [P, K, N/P], P column blocks of W^T (P = `blocks` if
                         it divides N, else 1: then packed[0] is simply W^T [K, N]);
-                        bf16: W through F.linear
-        M > gemv_rows   `onednn`: oneDNN's blocked copy, in bf16 where the CPU has bf16
-                        instructions, else in fp32 (the rows are cast up and the result back: the
-                        GEMM then runs at fp32 speed instead of an emulated bf16 one); None where
-                        oneDNN is missing
+        M > gemv_rows   the GEMM `plan` picks for M's row bucket: `onednn`, oneDNN's blocked
+                        copy, in bf16 where the CPU has bf16 instructions, else in fp32 (the rows
+                        are cast up and the result back: the GEMM then runs at fp32 speed instead
+                        of an emulated bf16 one; None where oneDNN is missing), or F.linear on W
+                        (MKL)
+
+    `plan` (gemv_rows and the GEMM per bucket) is measured on this machine for the layer's shape
+    class when a `tuning` is given (engine/fast/tuning.py), else probes.py's constants.
     """
 
-    def __init__(self, linear: nn.Linear, blocks: int):
+    def __init__(self, linear: nn.Linear, blocks: int, tuning: Tuning | None = None):
         super().__init__()
         if blocks < 1:
             raise ValueError(f"blocks must be >= 1 (one per thread), got {blocks}")
@@ -80,20 +85,14 @@ class PackedLinear(nn.Module):
         P = blocks if N % blocks == 0 else 1
         self.in_features, self.out_features, self.blocks = K, N, P
         self.bias = None if linear.bias is None else linear.bias.detach()  # [N]
+        self.weight = weight  # [N, K], no copy: F.linear's
         # (the C kernel even where the column blocks stream as fast: the C layers need W as [N, K])
         self.gemv_weight = (weight if why_gemv_cannot_run(weight) is None
                             else None)  # [N, K], no copy
         self.gemv_bias = None if self.bias is None else self.bias.float()
-        # decode steps of up to this many rows: the C kernel (or, where it cannot run, the
-        # column blocks)
-        self.gemv_rows = (gemv_max_rows(weight.dtype) if self.gemv_weight is not None
-                          else COLUMN_BLOCK_MAX_ROWS)
-        if self.gemv_weight is not None or weight.dtype == torch.bfloat16:
-            # [N, K], no copy (read by the C kernel or F.linear)
-            self.packed, self.weight = None, weight
-        else:
-            # [P, K, N/P]
-            self.packed = weight.t().reshape(K, P, N // P).permute(1, 0, 2).contiguous()
+        # where the C kernel cannot run, fp32 decode rows use the column blocks [P, K, N/P]
+        self.packed = (weight.t().reshape(K, P, N // P).permute(1, 0, 2).contiguous()
+                       if self.gemv_weight is None and weight.dtype == torch.float32 else None)
         keep_bf16 = weight.dtype == torch.bfloat16 and bf16_instructions()
         self.gemm_dtype = torch.bfloat16 if keep_bf16 else torch.float32
         use_onednn = (onednn_available() and weight.device.type == "cpu"
@@ -102,21 +101,46 @@ class PackedLinear(nn.Module):
                                                                ONEDNN_ROWS_HINT)
                        if use_onednn else None)
         self.gemm_bias = None if self.bias is None else self.bias.to(self.gemm_dtype)
+        self.plan = self._default_plan()
+        if tuning is not None and weight.device.type == "cpu":
+            self.plan = tuning.linear(weight.dtype, N, K, self._paths(), self.plan)
+        # decode steps of up to this many rows: the C kernel (or, where it cannot run, the blocks)
+        self.gemv_rows = (self.plan.gemv_rows if self.gemv_weight is not None
+                          else COLUMN_BLOCK_MAX_ROWS if self.packed is not None else 0)
+
+    def _default_plan(self) -> LinearPlan:
+        """engine/fast/probes.py's constants: what runs unmeasured (SERVELAB_TUNING=defaults)."""
+        rows = gemv_max_rows(self.weight.dtype) if self.gemv_weight is not None else 0
+        gemm = "onednn" if self.onednn is not None else "linear"
+        return LinearPlan(rows, ((None, gemm),), "engine/fast/probes.py's constants", "defaults")
+
+    def _paths(self) -> dict:
+        """The products a measurement races (engine/fast/tuning.py): x [M, K] -> [M, N] each."""
+        paths = {"linear": lambda x: F.linear(x, self.weight, self.bias)}
+        if self.gemv_weight is not None:
+            paths["gemv"] = self._gemv
+        if self.onednn is not None:
+            paths["onednn"] = self._onednn
+        return paths
+
+    def _gemv(self, rows: Tensor) -> Tensor:
+        return gemv_native(rows.float().contiguous(), self.gemv_weight, self.gemv_bias)
+
+    def _onednn(self, rows: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows.to(self.gemm_dtype), self.onednn,
+                                                  self.gemm_bias, "none", [], "")
 
     def forward(self, x: Tensor) -> Tensor:  # x [..., K] -> [..., N]
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        # (no rows: F.linear below)
-        if 0 < rows.shape[0] <= self.gemv_rows and self.gemv_weight is not None:
-            y = gemv_native(rows.float().contiguous(), self.gemv_weight,
-                            self.gemv_bias).to(x.dtype)  # [M, N]
-        elif rows.shape[0] > self.gemv_rows and self.onednn is not None:
-            y = torch.ops.mkldnn._linear_pointwise(rows.to(self.gemm_dtype), self.onednn,
-                                                   self.gemm_bias, "none", [],
-                                                   "").to(x.dtype)  # [M, N]
-        elif self.packed is None:
-            y = F.linear(rows, self.weight, self.bias)  # bf16 GEMV on [N, K]
+        M = rows.shape[0]
+        if 0 < M <= self.gemv_rows and self.gemv_weight is not None:
+            y = self._gemv(rows).to(x.dtype)  # [M, N]
+        elif 0 < M <= self.gemv_rows:
+            y = self._blocks_matmul(rows)  # fp32 without the C kernel
+        elif M > 0 and self.onednn is not None and self.plan.gemm_path(M) == "onednn":
+            y = self._onednn(rows).to(x.dtype)  # [M, N]
         else:
-            y = self._blocks_matmul(rows)
+            y = F.linear(rows, self.weight, self.bias)  # MKL (or bf16's own GEMM)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _blocks_matmul(self, rows: Tensor) -> Tensor:
@@ -137,12 +161,14 @@ class PackedLinear(nn.Module):
                 f"gemm_dtype={self.gemm_dtype}")
 
 
-def pack_linears(model: nn.Module, blocks: int) -> nn.Module:
+def pack_linears(model: nn.Module, blocks: int, tuning: Tuning | None = None) -> nn.Module:
     """A copy of `model` whose plain nn.Linear layers are PackedLinear; the original is left as it
     was.
 
     Only exact `nn.Linear` modules are packed: quantized layers (chapter 07) have their own kernels
-    and stay as they are. Everything else is shared, not copied (engine/surgery.py).
+    and stay as they are. Everything else is shared, not copied (engine/surgery.py). `tuning`:
+    each shape's paths measured on this machine (engine/fast/tuning.py); None: probes.py's
+    constants.
     """
-    return replaced(model,
-                    lambda name, m: PackedLinear(m, blocks) if type(m) is nn.Linear else None)
+    return replaced(model, lambda name, m: (PackedLinear(m, blocks, tuning)
+                                            if type(m) is nn.Linear else None))
