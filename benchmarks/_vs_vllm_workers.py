@@ -67,7 +67,9 @@ def measure(generate, job: dict) -> dict:
     _say(f"prefill: {', '.join(f'{s:.2f}' for s, _ in prefill)} s")
     out = {"decode_s_1_token": statistics.median(one), "decode_s_all_tokens": statistics.median(full),
            "prefill_s": statistics.median(s for s, _ in prefill),
-           "tokens": {"decode": decode_out, "prefill": prefill[-1][1]}}
+           "tokens": {"decode": decode_out, "prefill": prefill[-1][1]},
+           # every timed run, for the spread vs_vllm.py reports (a slow run shows there)
+           "runs": {"decode_s_all_tokens": full, "prefill_s": [s for s, _ in prefill]}}
     if job["offline"]:
         generate(job["offline_prompts"][:4], 2)  # warm-up at a batch above one
         offline = []
@@ -75,6 +77,7 @@ def measure(generate, job: dict) -> dict:
             offline.append(_timed(generate, job["offline_prompts"], n))
             _say(f"offline: {offline[-1][0]:.2f} s")
         out["offline_s"] = statistics.median(s for s, _ in offline)
+        out["runs"]["offline_s"] = [s for s, _ in offline]
         out["tokens"]["offline"] = offline[-1][1]
     return out
 

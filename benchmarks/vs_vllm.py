@@ -80,6 +80,9 @@ TARGETS = (("offline >= 1.2x vLLM", "offline_tok_s", "vllm", 1.2),
            ("prefill >= 1.2x vLLM", "prefill_tok_s", "vllm", 1.2),
            ("batch-1 decode >= llama.cpp", "decode_tok_s", "llamacpp", 1.0))
 METRICS = ("decode_tok_s", "offline_tok_s", "prefill_tok_s")
+# the timed runs (every repeat of every round) whose slowest over fastest is each metric's spread
+SPREAD_OF = {"decode": "decode_s_all_tokens", "offline": "offline_s", "prefill": "prefill_s"}
+MAX_SPREAD = 1.2  # issue 34: an engine whose runs differ by more than this says so in the table
 PEAK_FRACTION_NEEDED = 0.8  # issue 17: offline throughput >= 80% of this machine's matmul peak, in useful FLOPs
 PEAK_ROWS = 4096  # the matmul peak is measured on a prefill-sized GEMM: 4096 rows x the model's widest weight
 PEAK_REPEATS = 10
@@ -279,6 +282,22 @@ def table_rows(engine_speeds: dict[str, dict], equality: dict[str, dict], thread
     return rows
 
 
+def add_spreads(rows: list[dict], results: dict[str, dict]) -> None:
+    """Every row gets its engine's spreads (`spreads`)."""
+    for row, engine in zip(rows, results, strict=True):
+        row.update(spreads(results[engine]))
+
+
+def spreads(result: dict) -> dict:
+    """Each metric's slowest run over its fastest (every repeat of every round), and which ones
+    vary by more than MAX_SPREAD ("varies": e.g. "offline 4.1x"; "-" where none does)."""
+    runs = result.get("runs", {})
+    out = {f"{m}_spread": (round(max(t) / min(t), 2) if len(t := runs.get(key, [])) > 1 else None)
+           for m, key in SPREAD_OF.items()}
+    wide = [f"{m.removesuffix('_spread')} {v:g}x" for m, v in out.items() if v and v > MAX_SPREAD]
+    return dict(out, varies=", ".join(wide) or "-")
+
+
 def target_verdicts(engine_speeds: dict[str, dict], skipped: dict[str, str]) -> list[dict]:
     """Each of issue 17's speed targets: servelab's number, the anchor's, the ratio, met / missed / not measured."""
     ours, verdicts = engine_speeds.get("servelab", {}), []
@@ -413,7 +432,9 @@ def combine_rounds(rounds: list[dict]) -> dict:
         return failed
     out = dict(rounds[0], load_avg_after=rounds[-1]["load_avg_after"],
                rounds=[{k: r.get(k) for k in TIMED} for r in rounds],
-               tokens_repeat=all(r["tokens"] == rounds[0]["tokens"] for r in rounds))
+               tokens_repeat=all(r["tokens"] == rounds[0]["tokens"] for r in rounds),
+               runs={k: [t for r in rounds for t in r.get("runs", {}).get(k, [])]
+                     for k in SPREAD_OF.values()})
     for key in TIMED:
         values = [r.get(key) for r in rounds]
         out[key] = statistics.median(values) if None not in values else None
@@ -468,6 +489,7 @@ def main(argv=None) -> None:
     engine_speeds = {e: speeds(r, cfg) for e, r in results.items()}
     equality = greedy_equality({e: r for e, r in results.items() if "failed" not in r})
     rows, verdicts = table_rows(engine_speeds, equality, args.threads), target_verdicts(engine_speeds, skipped)
+    add_spreads(rows, results)
     useful = offline_useful_gflop(folder, [len(p) for p in job["offline_prompts"]], cfg["new_tokens"])
     verdicts.append(peak_fraction_verdict(results.get("servelab"), useful, peak))
     useful_prefill = offline_useful_gflop(folder, [cfg["prefill_tokens"]], 1)  # one prompt, its first token
@@ -488,7 +510,7 @@ def main(argv=None) -> None:
                     vllm=vllm_settings(results.get("vllm", {}).get("info")))
     # The long parts go to the JSON only (the markdown's Settings line stays readable).
     details = dict(engines={e: {k: r.get(k) for k in ("info", "load_s", "load_avg_before", "load_avg_after",
-                                                      "process_wall_s", "failed", "rounds", "tokens_repeat")}
+                                                      "process_wall_s", "failed", "rounds", "tokens_repeat", "runs")}
                             for e, r in results.items()},
                    skipped=skipped, targets=verdicts, greedy_equality=equality, llamacpp_weights=llama,
                    logs=str(log_dir))
@@ -511,7 +533,8 @@ Medians of the repeats in Settings. vLLM: VLLM_CPU_OMP_THREADS_BIND on the first
 VLLM_CPU_NUM_OF_RESERVED_CPU=0, enable_prefix_caching=False, enforce_eager=True (Settings, vllm); it warns
 that libtcmalloc and libiomp are not in LD_PRELOAD (its documentation's tuned setup): we run it as a plain
 pip install leaves it.
-x_vs_vllm: each number over vLLM's. greedy_vs_servelab: sequences identical token for token (where
+x_vs_vllm: each number over vLLM's. decode/offline/prefill_spread: the slowest timed run over the fastest, every
+repeat of every round (decode: the 1 + n-token runs); varies: the ones above 1.2 (issue 34's bar). greedy_vs_servelab: sequences identical token for token (where
 the others first differ). offline_useful_gflops: the offline run's unavoidable FLOPs (every linear layer once per
 token, the LM head once per generated token, causal attention) per second of it; offline_x_peak: that over this
 machine's matmul peak (Settings: matmul_peak_gflops, oneDNN's packed GEMM of [4096, E] x [2F, E]^T in the run's

@@ -129,6 +129,7 @@ from benchmarks.vs_vllm import (  # noqa: E402
     offline_useful_gflop,
     peak_fraction_verdict,
     speeds,
+    spreads,
     table_rows,
     target_verdicts,
 )
@@ -284,3 +285,20 @@ def test_rounds_combine_into_medians_keep_every_round_and_say_whether_the_tokens
     other = dict(rounds[1], tokens={"decode": [[1, 3]]})
     assert combine_rounds([rounds[0], other])["tokens_repeat"] is False
     assert combine_rounds([rounds[0], {"failed": "exit 1"}]) == {"failed": "exit 1"}
+
+
+def test_every_timed_run_of_every_round_makes_the_spread_and_a_wide_one_is_flagged():
+    """Issue 34: an engine whose runs differ by more than 1.2x says so in the table's `varies`."""
+    base = {"tokens": {}, "decode_s_1_token": 1.0, "decode_s_all_tokens": 3.0, "prefill_s": 2.0,
+            "offline_s": 10.0, "load_avg_after": [1.0]}
+    rounds = [dict(base, runs={"decode_s_all_tokens": [3.0, 3.1], "prefill_s": [2.0, 2.1],
+                               "offline_s": [10.0]}),
+              dict(base, runs={"decode_s_all_tokens": [3.2, 3.0], "prefill_s": [2.0, 2.2],
+                               "offline_s": [41.0]})]
+    out = spreads(combine_rounds(rounds))
+    assert out == {"decode_spread": 1.07, "offline_spread": 4.1, "prefill_spread": 1.1,
+                   "varies": "offline 4.1x"}
+    steady = spreads(combine_rounds([dict(base, runs={"offline_s": [10.0, 11.0]})]))
+    assert steady["varies"] == "-" and steady["offline_spread"] == 1.1
+    assert steady["decode_spread"] is None  # one run or none: no spread to speak of
+    assert spreads({"failed": "exit 1"})["varies"] == "-"
