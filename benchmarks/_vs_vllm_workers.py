@@ -93,14 +93,17 @@ def servelab_engine(job: dict):
     torch.set_num_threads(job["threads"])
     prompts = job["offline_prompts"] + [job["prefill_prompt"], job["decode_prompt"]]
     blocks = sum(-(-(len(p) + job["new_tokens"] + 1) // BLOCK_SIZE) for p in prompts)  # all at once, with room
+    # prefix caching off, as vLLM's here: every repeat of a prompt is computed again, never read from the cache
     llm = LLM(job["folder"], dtype=job["dtype"], num_threads=job["threads"], max_num_seqs=job["max_num_seqs"],
-              num_blocks=blocks, block_size=BLOCK_SIZE)
+              num_blocks=blocks, block_size=BLOCK_SIZE, enable_prefix_caching=False)
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     return generate, {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                      "max_num_seqs": job["max_num_seqs"], "num_blocks": blocks, "block_size": BLOCK_SIZE}
+                      "max_num_seqs": job["max_num_seqs"], "num_blocks": blocks, "block_size": BLOCK_SIZE,
+                      "enable_prefix_caching": llm.engine.config.cache.enable_prefix_caching,
+                      "speed_choices": dict(llm.engine.acceleration.choices)}
 
 
 def transformers_engine(job: dict):

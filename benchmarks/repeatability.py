@@ -42,7 +42,7 @@ def child(model: str, prompts: int, new_tokens: int) -> dict:
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    llm = LLM(model, num_threads=TORCH_THREADS)
+    llm = LLM(model, num_threads=TORCH_THREADS, enable_prefix_caching=False)  # the warm-up must not serve the run
     loaded = time.perf_counter()
     rng = random.Random(SEED)
     vocab = llm.engine.model.config.vocab_size

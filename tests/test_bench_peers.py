@@ -302,3 +302,16 @@ def test_every_timed_run_of_every_round_makes_the_spread_and_a_wide_one_is_flagg
     assert steady["varies"] == "-" and steady["offline_spread"] == 1.1
     assert steady["decode_spread"] is None  # one run or none: no spread to speak of
     assert spreads({"failed": "exit 1"})["varies"] == "-"
+
+
+def test_servelab_runs_the_peers_workload_with_prefix_caching_off_as_vllm_does():
+    """Each workload repeats its prompts: with the prefix cache on, every repeat after the first would be read from
+    the cache (a 1,024-token prefill measured at 20,000 tok/s), not computed as vLLM computes it."""
+    from benchmarks._vs_vllm_workers import servelab_engine
+    from engine.loading.loader import resolve_model_path
+
+    job = {"folder": str(resolve_model_path("tinylab")), "dtype": "float32", "threads": 1, "max_num_seqs": 4,
+           "new_tokens": 2, "offline_prompts": [[5, 6, 7] * 8], "prefill_prompt": [9] * 40, "decode_prompt": [4] * 20}
+    generate, info = servelab_engine(job)
+    assert info["enable_prefix_caching"] is False and info["speed_choices"]["speed"] == "fast"
+    assert generate([job["prefill_prompt"]], 2) == generate([job["prefill_prompt"]], 2)
