@@ -33,6 +33,9 @@ VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 # a header of ours, e.g. "../cpu_vectors.h"
 LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 CACHE_ENV = "SERVELAB_CACHE"  # where compiled C kernels are kept (default ~/.cache/servelab)
+# "avx2": build the C kernels for AVX2 + FMA at most, even where the CPU has AVX-512: an AVX2-only CPU's
+# code paths on a newer one (benchmarks/repeatability.py --isa avx2); "native" (the default): all it has
+ISA_ENV, ISA_CHOICES = "SERVELAB_MAX_ISA", ("native", "avx2")
 
 
 def why_triton_cannot_run(device, triton_module: str) -> str | None:
@@ -133,14 +136,18 @@ def c_compiler() -> str | None:
 
 def c_flags() -> tuple[str, ...]:
     """Flags for this machine: AVX2 and FMA where torch says the CPU has them (and AVX-512 VNNI
-    where the CPU lists it), plain C otherwise. The flags are part of the compiled library's cache
+    where the CPU lists it, unless SERVELAB_MAX_ISA=avx2), plain C otherwise. The flags are part of the compiled library's cache
     key, so a cache folder that moves to another CPU never hands it a library built for instructions
     it lacks."""
     import torch
 
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_CHOICES:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_CHOICES)}; got {isa!r}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return C_FLAGS
-    return C_FLAGS + AVX2_FLAGS + (VNNI_FLAGS if set(VNNI_CPU_FLAGS) <= cpu_flags() else ())
+    vnni = isa == "native" and set(VNNI_CPU_FLAGS) <= cpu_flags()
+    return C_FLAGS + AVX2_FLAGS + (VNNI_FLAGS if vnni else ())
 
 
 def cpu_flags() -> set[str]:

@@ -125,3 +125,15 @@ def test_the_reference_names_a_bad_input():
         gemv_ref(torch.randn(2, 16), w.half())
     with pytest.raises(ValueError, match=r"^bias: expected None or fp32 \[N = 8\]"):
         gemv_ref(torch.randn(2, 16), w, torch.randn(9))
+
+
+def test_an_isa_cap_drops_the_avx512_flags_and_a_bad_cap_is_named(monkeypatch):
+    """SERVELAB_MAX_ISA=avx2 builds an AVX2-only CPU's code paths (benchmarks/repeatability.py --isa avx2)."""
+    monkeypatch.setenv("SERVELAB_MAX_ISA", "avx2")
+    assert not any(flag.startswith("-mavx512") for flag in toolchain.c_flags())
+    monkeypatch.setenv("SERVELAB_MAX_ISA", "native")
+    native = toolchain.c_flags()
+    assert all(f in native for f in toolchain.C_FLAGS)
+    monkeypatch.setenv("SERVELAB_MAX_ISA", "avx9")
+    with pytest.raises(ValueError, match="SERVELAB_MAX_ISA must be one of native, avx2; got 'avx9'"):
+        toolchain.c_flags()

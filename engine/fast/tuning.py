@@ -50,13 +50,14 @@ from pathlib import Path
 import torch
 
 from engine.threads import torch_threads
-from kernels.toolchain import cpu_flags, kernel_cache_dir
+from kernels.toolchain import c_flags, cpu_flags, kernel_cache_dir
 
 TUNING_VERSION = 1  # part of the machine hash: bump it when what is measured changes
 # "measure" (the default: measure what the cache lacks), "remeasure" (measure everything again and
 # overwrite the cache: doctor --retune) or "defaults" (measure nothing: probes.py's constants)
 TUNING_ENV = "SERVELAB_TUNING"
 TUNING_MODES = ("measure", "remeasure", "defaults")
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"  # oneDNN's own cap on the instructions it uses
 # the instruction-set flags that change which path wins (the rest of /proc/cpuinfo does not)
 FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
                      "amx_tile", "amx_bf16", "amx_int8")
@@ -119,11 +120,16 @@ def tuning_mode() -> str:
 
 
 def machine_facts(threads: int) -> dict:
-    """What a measurement depends on: the CPU, its flags, torch, the thread count."""
+    """What a measurement depends on: the CPU, its flags, torch, the thread count, and any cap on
+    the instructions the kernels use."""
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
                   if line.startswith("model name")), platform.processor() or platform.machine())
     return {"cpu": model, "flags": sorted(set(FLAGS_OF_INTEREST) & cpu_flags()),
-            "torch": torch.__version__, "threads": threads, "tuning_version": TUNING_VERSION}
+            "torch": torch.__version__, "threads": threads, "tuning_version": TUNING_VERSION,
+            # what the code paths were built or capped for (an ISA cap changes who wins)
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_isa": os.environ.get(ONEDNN_ISA_ENV, "native"),
+            "c_flags": " ".join(c_flags())}
 
 
 def _cpuinfo() -> str:
