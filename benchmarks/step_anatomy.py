@@ -5,11 +5,12 @@ almost all of its time in decode steps of 64 sequences. We fill the engine with 
 prefill finish, then time pure decode steps with a stopwatch around each part (the fast wing's own modules,
 wrapped; a CPU runs them synchronously, so a stopwatch is honest):
 
-    linears     every q/k/v, o, gate/up and down matmul of every layer (PackedLinear)
-    lm_head     the vocabulary projection of the 64 rows
-    attention   the paged decode attention of every layer (the C kernel), the KV write included
-    other ops   the rest of the forward: embedding, RMSNorm, RoPE, SiLU x up, residual adds, views
-    outside     what is not the forward: scheduling, batch building, sampling, bookkeeping (StepReport)
+    linears           every q/k/v, o, gate/up and down matmul of every layer (PackedLinear)
+    lm_head           the vocabulary projection of the 64 rows
+    attention         the paged decode attention of every layer (the C kernel), the KV write included
+    other layer ops   the rest of each decoder layer: RMSNorm, RoPE, SiLU x up, residual adds, views
+    batch building    the step's AttentionMetadata, the embedding, the final norm
+    outside           what is not the runner: scheduling, sampling, bookkeeping (StepReport)
 
 and set each against the two floors a part cannot beat on this machine:
 
@@ -83,8 +84,8 @@ class Stopwatch:
     def __init__(self):
         self.seconds = defaultdict(float)
 
-    def wrap(self, module, part: str) -> None:
-        inner = module.forward
+    def wrap(self, module, part: str, method: str = "forward") -> None:
+        inner = getattr(module, method)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -92,7 +93,7 @@ class Stopwatch:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds[part] += time.perf_counter() - start
-        module.forward = timed
+        setattr(module, method, timed)
 
 
 def instrument(engine, watch: Stopwatch) -> None:
@@ -103,7 +104,9 @@ def instrument(engine, watch: Stopwatch) -> None:
         if isinstance(module, PackedLinear):
             watch.wrap(module, "lm_head" if name.endswith("lm_head") else "linears")
     watch.wrap(engine.runner.attention, "attention")
-    watch.wrap(model, "forward")
+    for layer in model.layers:
+        watch.wrap(layer, "layers")
+    watch.wrap(engine.runner, "execute", method="execute")  # the batch built, then the forward
 
 
 def fill(engine, vocab: int) -> None:
@@ -173,13 +176,15 @@ def anatomy_rows(steps, cfg, bandwidth: float, peak: float) -> list[dict]:
     """The table: each part's median ms, share of the step and floors; then the whole step."""
     total = statistics.median(1e3 * s for s, _, _ in steps)
     part = {k: statistics.median(1e3 * spent.get(k, 0.0) for _, spent, _ in steps)
-            for k in ("linears", "lm_head", "attention", "forward")}
+            for k in ("linears", "lm_head", "attention", "layers", "execute")}
     fl = floors(cfg, statistics.median(keys for _, _, keys in steps), bandwidth, peak)
-    other = part["forward"] - part["linears"] - part["lm_head"] - part["attention"]
     rows = []
     for name, ms in (("linears", part["linears"]), ("lm_head", part["lm_head"]),
-                     ("attention", part["attention"]), ("other ops", other), ("outside the forward",
-                                                                              total - part["forward"])):
+                     ("attention", part["attention"]),
+                     ("other layer ops", part["layers"] - part["linears"] - part["attention"]),
+                     ("batch building, embedding, final norm",
+                      part["execute"] - part["layers"] - part["lm_head"]),
+                     ("outside the forward", total - part["execute"])):
         fb, fc = fl.get(name, (None, None))
         rows.append({"part": name, "ms": round(ms, 2), "share_pct": round(100 * ms / total, 1),
                      "floor_bytes_ms": None if fb is None else round(fb, 2),
