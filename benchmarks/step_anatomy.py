@@ -22,6 +22,7 @@ The larger floor is the part's ceiling: a step whose linears sit near the comput
 halving its weight bytes (bf16) cannot speed it up; what sits far above both floors is overhead to cut.
 
     python benchmarks/step_anatomy.py                    # 2 threads, 8 timed steps (~1 minute)
+    python benchmarks/step_anatomy.py --batch 1 --steps 32   # batch 1: the C decoder layers' step
     python benchmarks/step_anatomy.py --threads 1 --results-dir /tmp/anatomy
 """
 
@@ -107,31 +108,33 @@ def instrument(engine, watch: Stopwatch) -> None:
     for layer in model.layers:
         watch.wrap(layer, "layers")
     watch.wrap(engine.runner, "execute", method="execute")  # the batch built, then the forward
+    if engine.runner.decode_step is not None:  # small steps: every layer in one C call
+        watch.wrap(engine.runner.decode_step, "c_layers")
 
 
-def fill(engine, vocab: int) -> None:
-    """64 prompts in, every prefill done: the engine holds 64 sequences in decode."""
+def fill(engine, vocab: int, batch: int) -> None:
+    """`batch` prompts in, every prefill done: the engine holds `batch` sequences in decode."""
     from engine.sampling import SamplingParams
 
     rng = random.Random(SEED)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    for _ in range(BATCH):
+    for _ in range(batch):
         engine.add_request([rng.randrange(3, vocab) for _ in range(rng.randint(*PROMPT_LENGTHS))], params)
     while True:
         report = engine.step()
-        if report.time_s.prefill == 0 and sum(1 for r in report.scheduled if r.phase == "decode") == BATCH:
+        if report.time_s.prefill == 0 and sum(1 for r in report.scheduled if r.phase == "decode") == batch:
             return
 
 
-def floors(cfg, context: int, bandwidth: float, peak: float) -> dict[str, tuple[float, float]]:
-    """Each part's (bytes floor, compute floor) in ms for one decode step of BATCH rows at `context` total
+def floors(cfg, batch: int, context: int, bandwidth: float, peak: float) -> dict[str, tuple[float, float]]:
+    """Each part's (bytes floor, compute floor) in ms for one decode step of `batch` rows at `context` total
     keys (the sum over the sequences)."""
     L, E, H, D = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     Hkv, F, V = cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size
     linear_params = L * (E * (H + 2 * Hkv) * D + H * D * E + 3 * E * F)
     ms = lambda nbytes, flops: (1e3 * nbytes / bandwidth / 1e9, 1e3 * flops / peak / 1e9)  # noqa: E731
-    return {"linears": ms(4 * linear_params, 2 * BATCH * linear_params),
-            "lm_head": ms(4 * E * V, 2 * BATCH * E * V),
+    return {"linears": ms(4 * linear_params, 2 * batch * linear_params),
+            "lm_head": ms(4 * E * V, 2 * batch * E * V),
             "attention": ms(4 * 2 * L * Hkv * D * context, 4 * L * H * D * context)}
 
 
@@ -140,14 +143,17 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2, as vs_vllm.py)")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help=f"sequences per decode step (default {BATCH}; results of another batch go to "
+                             "step_anatomy_b<batch>)")
     parser.add_argument("--steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    llm = LLM(REAL_MODEL, num_threads=args.threads, max_num_seqs=BATCH)
+    llm = LLM(REAL_MODEL, num_threads=args.threads, max_num_seqs=max(args.batch, 1), enable_prefix_caching=False)
     engine, cfg = llm.engine, llm.engine.model.config
     bandwidth, peak = read_bandwidth_gbs(args.threads), gemm_peak_gflops(cfg.hidden_size,
                                                                          2 * cfg.intermediate_size, args.threads)
-    fill(engine, cfg.vocab_size)
+    fill(engine, cfg.vocab_size, args.batch)
     watch, steps = Stopwatch(), []
     instrument(engine, watch)
     for _ in range(args.steps):
@@ -156,14 +162,15 @@ def main(argv=None) -> None:
         spent = {k: watch.seconds[k] - before.get(k, 0.0) for k in watch.seconds}
         keys = sum(r.end for r in report.scheduled if r.phase == "decode")  # every key a query reads
         steps.append((report.time_s.total, spent, keys))
-    rows = anatomy_rows(steps, cfg, bandwidth, peak)
+    rows = anatomy_rows(steps, cfg, args.batch, bandwidth, peak)
     print(markdown_table(rows), flush=True)
     step_ms = statistics.median(1e3 * s for s, _, _ in steps)
-    settings = dict(model=REAL_MODEL, dtype="float32", batch=BATCH, prompt_lengths=list(PROMPT_LENGTHS),
+    settings = dict(model=REAL_MODEL, dtype="float32", batch=args.batch, prompt_lengths=list(PROMPT_LENGTHS),
                     timed_steps=args.steps, threads=args.threads, step_ms=round(step_ms, 1),
-                    tok_s_decode=round(BATCH / step_ms * 1e3, 1), read_bandwidth_gbs=round(bandwidth, 1),
+                    tok_s_decode=round(args.batch / step_ms * 1e3, 1), read_bandwidth_gbs=round(bandwidth, 1),
                     gemm_peak_gflops=round(peak, 1), speed_choices=dict(engine.acceleration.choices))
-    write_results("step_anatomy", rows, settings, notes=__doc__.split("\n\n")[1] + "\n\n" +
+    name = "step_anatomy" if args.batch == BATCH else f"step_anatomy_b{args.batch}"
+    write_results(name, rows, settings, notes=__doc__.split("\n\n")[1] + "\n\n" +
                   __doc__.split("\n\n")[2] + "\n\n" + NOTES, results_dir=args.results_dir)
 
 
@@ -172,19 +179,24 @@ NOTES = ("ms: the median over the timed steps; floor_bytes_ms / floor_compute_ms
          "floor (1.0 = at its ceiling). The decode tokens per second of Settings count the 64 rows of one step.")
 
 
-def anatomy_rows(steps, cfg, bandwidth: float, peak: float) -> list[dict]:
-    """The table: each part's median ms, share of the step and floors; then the whole step."""
+def anatomy_rows(steps, cfg, batch: int, bandwidth: float, peak: float) -> list[dict]:
+    """The table: each part's median ms, share of the step and floors; then the whole step. A step the C
+    decoder layers take has one row for all its layers (their matmuls and attention happen inside C)."""
     total = statistics.median(1e3 * s for s, _, _ in steps)
     part = {k: statistics.median(1e3 * spent.get(k, 0.0) for _, spent, _ in steps)
-            for k in ("linears", "lm_head", "attention", "layers", "execute")}
-    fl = floors(cfg, statistics.median(keys for _, _, keys in steps), bandwidth, peak)
+            for k in ("linears", "lm_head", "attention", "layers", "execute", "c_layers")}
+    fl = floors(cfg, batch, statistics.median(keys for _, _, keys in steps), bandwidth, peak)
+    if part["c_layers"] > 0:
+        fl["every layer in one C call"] = tuple(a + b for a, b in zip(fl.pop("linears"), fl.pop("attention"),
+                                                                       strict=True))
+        parts = (("every layer in one C call", part["c_layers"]), ("lm_head", part["lm_head"]),
+                 ("batch building, embedding, final norm", part["execute"] - part["c_layers"] - part["lm_head"]))
+    else:
+        parts = (("linears", part["linears"]), ("lm_head", part["lm_head"]), ("attention", part["attention"]),
+                 ("other layer ops", part["layers"] - part["linears"] - part["attention"]),
+                 ("batch building, embedding, final norm", part["execute"] - part["layers"] - part["lm_head"]))
     rows = []
-    for name, ms in (("linears", part["linears"]), ("lm_head", part["lm_head"]),
-                     ("attention", part["attention"]),
-                     ("other layer ops", part["layers"] - part["linears"] - part["attention"]),
-                     ("batch building, embedding, final norm",
-                      part["execute"] - part["layers"] - part["lm_head"]),
-                     ("outside the forward", total - part["execute"])):
+    for name, ms in (*parts, ("outside the forward", total - part["execute"])):
         fb, fc = fl.get(name, (None, None))
         rows.append({"part": name, "ms": round(ms, 2), "share_pct": round(100 * ms / total, 1),
                      "floor_bytes_ms": None if fb is None else round(fb, 2),

@@ -534,13 +534,14 @@ VLLM_CPU_NUM_OF_RESERVED_CPU=0, enable_prefix_caching=False, enforce_eager=True 
 that libtcmalloc and libiomp are not in LD_PRELOAD (its documentation's tuned setup): we run it as a plain
 pip install leaves it.
 x_vs_vllm: each number over vLLM's. decode/offline/prefill_spread: the slowest timed run over the fastest, every
-repeat of every round (decode: the 1 + n-token runs); varies: the ones above 1.2 (issue 34's bar). greedy_vs_servelab: sequences identical token for token (where
-the others first differ). offline_useful_gflops: the offline run's unavoidable FLOPs (every linear layer once per
-token, the LM head once per generated token, causal attention) per second of it; offline_x_peak: that over this
-machine's matmul peak (Settings: matmul_peak_gflops, oneDNN's packed GEMM of [4096, E] x [2F, E]^T in the run's
-dtype and threads, measured in the same run); prefill_useful_gflops and prefill_x_peak: the same for the prefill
-run (one prompt, the LM head for its last token only). A target of N x vLLM asks for N x vLLM's share of the peak
-(the target lines say how much): past 100 %, more useful work per second than the reference GEMM itself delivers.
+repeat of every round (decode: the 1 + n-token runs); varies: the ones above 1.2 (issue 34's bar).
+greedy_vs_servelab: sequences identical token for token (where the others first differ). offline_useful_gflops: the
+offline run's unavoidable FLOPs (every linear layer once per token, the LM head once per generated token, causal
+attention) per second of it; offline_x_peak: that over this machine's matmul peak (Settings: matmul_peak_gflops,
+oneDNN's packed GEMM of [4096, E] x [2F, E]^T in the run's dtype and threads, measured in the same run);
+prefill_useful_gflops and prefill_x_peak: the same for the prefill run (one prompt, the LM head for its last token
+only). A target of N x vLLM asks for N x vLLM's share of the peak (the target lines say how much): past 100 %, more
+useful work per second than the reference GEMM itself delivers.
 """
 
 

@@ -20,6 +20,8 @@ SPEED_HELP = ("reference: the readable path only (Python layers, reference atten
               "fast: the fast wing (engine/fast/), the default")
 
 
+# the fast wing's measured answers (engine/fast/tuning.py), one per shape class
+TUNED_PREFIXES = ("linear-", "prefill-")
 SPECULATIVE_HELP = ("chapter 12: vLLM's speculative_config as JSON, e.g. "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                     "(methods: ngram, draft_model, layer_skip)")
@@ -58,8 +60,10 @@ def print_speed(engine) -> None:
     (stderr: the text stays clean)."""
     reasons = engine.acceleration.reasons
     for name, choice in engine.acceleration.choices.items():
-        why = f" ({reasons[name]})" if name in reasons else ""
-        print(f"[{name}: {choice}{why}]", file=sys.stderr, flush=True)
+        why = reasons.get(name)
+        if why and name.startswith(TUNED_PREFIXES):  # the timings are long: doctor prints them
+            why = f"{why.split(':', 1)[0]}; python -m engine doctor shows the timings"
+        print(f"[{name}: {choice}{f' ({why})' if why else ''}]", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> None:

@@ -33,8 +33,8 @@ VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 # a header of ours, e.g. "../cpu_vectors.h"
 LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 CACHE_ENV = "SERVELAB_CACHE"  # where compiled C kernels are kept (default ~/.cache/servelab)
-# "avx2": build the C kernels for AVX2 + FMA at most, even where the CPU has AVX-512: an AVX2-only CPU's
-# code paths on a newer one (benchmarks/repeatability.py --isa avx2); "native" (the default): all it has
+# "avx2": build the C kernels for AVX2 + FMA at most, even where the CPU has AVX-512 (an AVX2-only
+# CPU's code paths on a newer one: benchmarks/repeatability.py --isa avx2); "native": all it has
 ISA_ENV, ISA_CHOICES = "SERVELAB_MAX_ISA", ("native", "avx2")
 
 
@@ -136,9 +136,9 @@ def c_compiler() -> str | None:
 
 def c_flags() -> tuple[str, ...]:
     """Flags for this machine: AVX2 and FMA where torch says the CPU has them (and AVX-512 VNNI
-    where the CPU lists it, unless SERVELAB_MAX_ISA=avx2), plain C otherwise. The flags are part of the compiled library's cache
-    key, so a cache folder that moves to another CPU never hands it a library built for instructions
-    it lacks."""
+    where the CPU lists it, unless SERVELAB_MAX_ISA=avx2), plain C otherwise. The flags are part of
+    the compiled library's cache key, so a cache folder that moves to another CPU never hands it a
+    library built for instructions it lacks."""
     import torch
 
     isa = os.environ.get(ISA_ENV, "native")

@@ -8,6 +8,9 @@ both in its trace; the CLI prints them (`python -m engine generate ... --speed f
 The thresholds below were measured on the CPUs this project has run on; each says what it trades,
 and the numbers behind it live in benchmarks/results/ (`attention_backends.md`,
 `profile_offline.md`, `vs_vllm*.md`) and kernels/README.md, with the command that produced them.
+They are the DEFAULTS: where the winner differs from CPU to CPU (the C gemv's rows, oneDNN or MKL
+per row count, the C prefill's length), engine/fast/tuning.py races the paths on the machine
+itself, once per shape class, and a measured answer replaces the constant when it wins clearly.
 """
 
 from __future__ import annotations
