@@ -39,6 +39,14 @@ def needs_c_gemv():
         pytest.skip(f"the C gemv kernel cannot run here: {why_gemv_cannot_run(w)}")
 
 
+def test_a_race_times_every_path_in_turns():
+    seen = []
+    ms = tuning_module.race_ms({"a": lambda: seen.append("a"), "b": lambda: seen.append("b")}, repeats=2)
+    assert set(ms) == {"a", "b"} and all(v > 0 for v in ms.values())
+    runs = [k for i, k in enumerate(seen) if i == 0 or seen[i - 1] != k]  # the turns, warm-ups first
+    assert runs[:2] == ["a", "b"] and runs[2:] == ["a", "b", "a"]  # A B, then B A
+
+
 def test_pick_keeps_the_default_unless_another_path_wins_by_the_margin():
     assert pick("a", {"a": 1.0, "b": 1.0 - TIE_MARGIN / 2}) == "a"  # within the noise: kept
     assert pick("a", {"a": 1.0, "b": 1.0 - 2 * TIE_MARGIN}) == "b"
@@ -48,9 +56,9 @@ def test_pick_keeps_the_default_unless_another_path_wins_by_the_margin():
 def test_measure_linear_finds_the_crossover_and_the_gemm_per_bucket(monkeypatch):
     """With timings we control: C gemv costs 1 + m, oneDNN a flat 8 (crossover between 4 and 8
     rows); F.linear wins only in the 512-row bucket."""
-    def fake_median_ms(fn, repeats=5):
-        return fn()
-    monkeypatch.setattr(tuning_module, "median_ms", fake_median_ms)
+    def fake_race_ms(fns, repeats=5):
+        return {name: fn() for name, fn in fns.items()}
+    monkeypatch.setattr(tuning_module, "race_ms", fake_race_ms)
     paths = {"gemv": lambda x: 1.0 + x.shape[0], "onednn": lambda x: 8.0 if x.shape[0] <= 16 else 10.0,
              "linear": lambda x: 5.0 if x.shape[0] == 512 else 20.0}
     default = LinearPlan(16, ((None, "onednn"),), "", "defaults")

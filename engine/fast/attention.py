@@ -196,7 +196,7 @@ class PlannedAttention(PagedAttention):
 def prefill_race(dtype: torch.dtype, H: int, Hkv: int, D: int):
     """T -> (C flash-prefill ms, torch fused-attention ms) for one whole T-token prompt of random
     q/k/v: what engine/fast/tuning.py races to find how long a prompt the C kernel should take."""
-    from engine.fast.tuning import median_ms
+    from engine.fast.tuning import race_ms
     from kernels.paged_attention.sdpa import _attend_causal
 
     def race(T: int) -> tuple[float, float]:
@@ -204,7 +204,7 @@ def prefill_race(dtype: torch.dtype, H: int, Hkv: int, D: int):
         q = torch.randn(T, H, D, generator=gen).to(dtype)  # [T, H, D]
         k, v = (torch.randn(T, Hkv, D, generator=gen).to(dtype) for _ in range(2))  # [T, Hkv, D]
         bounds, out, scale = torch.tensor([[0, T]], dtype=torch.int64), torch.empty_like(q), D**-0.5
-        c_ms = median_ms(lambda: flash_prefill_planned(q, k, v, scale, bounds, out), repeats=3)
-        torch_ms = median_ms(lambda: _attend_causal(q[None], k[None], v[None], scale), repeats=3)
-        return c_ms, torch_ms
+        ms = race_ms({"c": lambda: flash_prefill_planned(q, k, v, scale, bounds, out),
+                      "torch": lambda: _attend_causal(q[None], k[None], v[None], scale)}, repeats=3)
+        return ms["c"], ms["torch"]
     return race

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -52,6 +53,7 @@ import torch
 from engine.threads import torch_threads
 from kernels.toolchain import c_flags, cpu_flags, kernel_cache_dir
 
+logger = logging.getLogger("engine")  # the engine's INFO lines (engine/kv/kv_pool.py's logger)
 TUNING_VERSION = 1  # part of the machine hash: bump it when what is measured changes
 # "measure" (the default: measure what the cache lacks), "remeasure" (measure everything again and
 # overwrite the cache: doctor --retune) or "defaults" (measure nothing: probes.py's constants)
@@ -74,7 +76,7 @@ PROBE_MAX_FLOP = 8e9
 # a measured path replaces the default's only when it is more than this much faster: timings on a
 # shared 2-core machine wobble by a few percent, and a coin flip should not move a path
 TIE_MARGIN = 0.10
-REPEATS = 5  # timed samples per path: the median counts (one warm-up call first)
+REPEATS = 7  # timed samples per path, in turns with the other paths: the median counts
 SAMPLE_MS, MAX_CALLS = 2.0, 200  # a sample repeats a call until it lasts about this long
 NO_LIMIT = sys.maxsize  # a prefill plan that takes prompts of any length
 
@@ -139,19 +141,28 @@ def _cpuinfo() -> str:
         return ""
 
 
-def median_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float:
-    """Milliseconds per call of `fn`: the median of `repeats` samples, each enough calls to last
-    SAMPLE_MS (a 10-microsecond matmul timed once is mostly timer noise), after one warm-up."""
-    start = time.perf_counter()
-    fn()
-    calls = max(1, min(MAX_CALLS, int(SAMPLE_MS / 1e3 / max(time.perf_counter() - start, 1e-7))))
-    samples = []
-    for _ in range(repeats):
+def race_ms(fns: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
+    """Milliseconds per call of each of `fns` (name -> function): the median of `repeats` samples,
+    each enough calls to last SAMPLE_MS (a 10-microsecond matmul timed once is mostly timer
+    noise), after one warm-up call each. The samples alternate between the paths, in turns
+    (A B, then B A), so a slow phase of a shared machine falls on all of them alike."""
+    calls = {}
+    for name, fn in fns.items():
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples) * 1e3
+        fn()
+        took = max(time.perf_counter() - start, 1e-7)
+        calls[name] = max(1, min(MAX_CALLS, int(SAMPLE_MS / 1e3 / took)))
+    samples = {name: [] for name in fns}
+    order = list(fns)
+    for _ in range(repeats):
+        for name in order:
+            fn, n = fns[name], calls[name]
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - start) / n)
+        order.reverse()
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
 class Tuning:
@@ -196,6 +207,7 @@ class Tuning:
         elif self.mode == "measure" and (saved := self._read(name)) is not None:
             answer = kind(**dict(saved["answer"], source="cache"))
         else:
+            logger.info("measuring %s on this machine (once: kept in %s)", name, self.folder)
             with torch_threads(self.threads):  # measured as the engine will run it
                 answer = measure()
             record = asdict(answer)
@@ -229,8 +241,12 @@ class Tuning:
         out = {}
         for name, a in sorted(self.answers.items()):
             if isinstance(a, LinearPlan):
-                gemm = ", ".join(f"up to {b} rows {p}" if b else f"more {p}" for b, p in a.gemm)
+                paths = {p for _, p in a.gemm}
+                gemm = (f"then {paths.pop()}" if len(paths) == 1 else ", ".join(
+                    f"up to {b} rows {p}" if b else f"more {p}" for b, p in a.gemm))
                 what = f"C gemv up to {a.gemv_rows} rows; {gemm}"
+            elif a.max_tokens == 0:
+                what = "C flash prefill never: torch's fused attention for every prompt"
             else:
                 what = f"C flash prefill up to {_tokens(a.max_tokens)}"
             out[name] = (what, f"{a.source}: {a.reason}")
@@ -253,8 +269,8 @@ def pick(default: str, ms: dict[str, float]) -> str:
 
 
 def race(paths: dict[str, Callable], names: tuple[str, ...], x) -> dict[str, float]:
-    """Milliseconds of each named path on the same rows x."""
-    return {name: median_ms(lambda f=paths[name]: f(x)) for name in names}
+    """Milliseconds of each named path on the same rows x, raced in turns (`race_ms`)."""
+    return race_ms({name: (lambda f=paths[name]: f(x)) for name in names})
 
 
 def measure_linear(dtype, N: int, K: int, paths: dict[str, Callable],
