@@ -176,7 +176,7 @@ def main(argv=None) -> None:
 
 NOTES = ("ms: the median over the timed steps; floor_bytes_ms / floor_compute_ms: the part's bytes over the "
          "measured read bandwidth and its FLOPs over the measured GEMM peak (Settings); x_floor: ms over the larger "
-         "floor (1.0 = at its ceiling). The decode tokens per second of Settings count the 64 rows of one step.")
+         "floor (1.0 = at its ceiling). tok_s_decode in Settings counts every row of a step (the batch).")
 
 
 def anatomy_rows(steps, cfg, batch: int, bandwidth: float, peak: float) -> list[dict]:
