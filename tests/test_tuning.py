@@ -129,6 +129,13 @@ def test_defaults_mode_measures_nothing_and_a_bad_mode_is_named(cache, monkeypat
         Tuning(1)
 
 
+def test_an_unreadable_cached_answer_is_measured_again(cache):
+    needs_c_gemv()
+    plant(cache, 1, "linear-float32-K64xN128", {"gemv_rows": 3})  # fields missing: a hand edit
+    assert PackedLinear(nn.Linear(64, 96), blocks=1, tuning=Tuning(1)).plan.source == "measured"
+    assert PackedLinear(nn.Linear(64, 96), blocks=1, tuning=Tuning(1)).plan.source == "cache"
+
+
 def test_remeasure_overwrites_a_cached_answer(cache, monkeypatch):
     needs_c_gemv()
     plant(cache, 1, "linear-float32-K64xN128",

@@ -177,11 +177,13 @@ class Tuning:
         self.answers: dict[str, LinearPlan | PrefillPlan] = {}  # name -> answer, this engine's
 
     # ---- the cache ------------------------------------------------------------------------------
-    def _read(self, name: str) -> dict | None:
+    def _read(self, name: str, kind):
+        """The cached answer `name` as a `kind`, or None where there is none or it is unreadable
+        (a file edited by hand, half a disk: then it is measured again and rewritten)."""
         path = self.folder / f"{name}.json"
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
+            return kind(**dict(json.loads(path.read_text())["answer"], source="cache"))
+        except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def _write(self, name: str, answer: dict) -> None:
@@ -204,8 +206,8 @@ class Tuning:
             return self.answers[name]
         if self.mode == "defaults":
             answer = defaults()
-        elif self.mode == "measure" and (saved := self._read(name)) is not None:
-            answer = kind(**dict(saved["answer"], source="cache"))
+        elif self.mode == "measure" and (saved := self._read(name, kind)) is not None:
+            answer = saved
         else:
             logger.info("measuring %s on this machine (once: kept in %s)", name, self.folder)
             with torch_threads(self.threads):  # measured as the engine will run it
