@@ -28,6 +28,7 @@ how to make it); either one missing is skipped with the reason and the command t
     python benchmarks/vs_vllm.py --engines servelab vllm          # a subset
     python benchmarks/vs_vllm.py --dtype bfloat16     # bf16 weights everywhere (results/vs_vllm_bfloat16.*);
                                                       # llama.cpp reads only the F32 file, so it sits this one out
+    python benchmarks/vs_vllm.py --isa avx2           # every library capped at AVX2 (results/vs_vllm_avx2.*)
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from benchmarks._common import (  # noqa: E402
     write_results,
 )
 from benchmarks._vs_vllm_workers import ENGINES, TRANSFORMERS_BATCH  # noqa: E402
+from benchmarks.repeatability import ISA_CAPS  # noqa: E402
 
 SEED = 0
 FIRST_TOKEN_ID = 3  # prompt ids from here up: 0-2 are the special tokens
@@ -464,8 +466,12 @@ def main(argv=None) -> None:
                         help="times each engine runs, in turns (default 2; quick 1): see run_all")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and compute for every engine (bfloat16: llama.cpp, F32 only here, is left out)")
+    parser.add_argument("--isa", choices=tuple(ISA_CAPS), default="native",
+                        help="avx2: torch, oneDNN, MKL and our C kernels capped at AVX2 + FMA in every engine's "
+                             "process (an AVX2-only CPU's code paths; llama.cpp, built for this CPU, is left out)")
     args = parser.parse_args(argv)
-    engines = [e for e in args.engines if not (args.dtype != "float32" and e == "llamacpp")]
+    engines = [e for e in args.engines if not ((args.dtype != "float32" or args.isa != "native") and e == "llamacpp")]
+    os.environ.update(ISA_CAPS[args.isa])  # every worker inherits it (engine_env), and so does our peak GEMM
     quick = args.quick or os.environ.get(QUICK_ENV) == "1"
     cfg, folder = dict(QUICK if quick else FULL), real_model_folder()
     cfg.update({k: v for k, v in (("prompts", args.prompts), ("new_tokens", args.new_tokens),
@@ -485,7 +491,9 @@ def main(argv=None) -> None:
     print(f"matmul peak ({args.dtype}, {args.threads} threads): {peak:.0f} GFLOP/s", flush=True)
     results, skipped = run_all(engines, job, args.threads, log_dir, rounds=cfg["rounds"])
     if "llamacpp" in args.engines and "llamacpp" not in engines:
-        skipped["llamacpp"] = f"--dtype {args.dtype}: this benchmark gives llama.cpp only an F32 GGUF file"
+        skipped["llamacpp"] = (f"--dtype {args.dtype}: this benchmark gives llama.cpp only an F32 GGUF file"
+                               if args.dtype != "float32" else
+                               f"--isa {args.isa}: llama.cpp was compiled for this CPU's own instructions")
     engine_speeds = {e: speeds(r, cfg) for e, r in results.items()}
     equality = greedy_equality({e: r for e, r in results.items() if "failed" not in r})
     rows, verdicts = table_rows(engine_speeds, equality, args.threads), target_verdicts(engine_speeds, skipped)
@@ -500,7 +508,8 @@ def main(argv=None) -> None:
             row[f"{kind}_x_peak"] = round(gflop / seconds / peak, 2) if seconds else None
     add_peak_notes(verdicts, rows)
     print("\n" + markdown_table(rows) + "\n" + "\n".join(f"{v['target']}: {v['verdict']}" for v in verdicts))
-    settings = dict(quick=quick, model=REAL_MODEL_LABEL, dtype=args.dtype, greedy=True, ignore_eos=True, **cfg,
+    settings = dict(quick=quick, model=REAL_MODEL_LABEL, dtype=args.dtype, isa=args.isa, greedy=True, ignore_eos=True,
+                    **cfg,
                     offline_prompt_lengths=list(OFFLINE_PROMPT_LENGTHS),
                     offline_prompt_tokens=sum(map(len, job["offline_prompts"])), threads=args.threads,
                     max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, cpu_flags=" ".join(cpu_flags()),
@@ -514,7 +523,8 @@ def main(argv=None) -> None:
                             for e, r in results.items()},
                    skipped=skipped, targets=verdicts, greedy_equality=equality, llamacpp_weights=llama,
                    logs=str(log_dir))
-    name = "vs_vllm" if args.dtype == "float32" else f"vs_vllm_{args.dtype}"
+    name = "vs_vllm" + ("" if args.dtype == "float32" else f"_{args.dtype}") + (
+        "" if args.isa == "native" else f"_{args.isa}")
     json_path, _ = write_results(name, rows, settings, notes=notes_text(settings, details),
                                  results_dir=args.results_dir)
     json_path.write_text(json.dumps(dict(json.loads(json_path.read_text()), details=details), indent=2) + "\n")
