@@ -131,9 +131,12 @@ def test_defaults_mode_measures_nothing_and_a_bad_mode_is_named(cache, monkeypat
 
 def test_an_unreadable_cached_answer_is_measured_again(cache):
     needs_c_gemv()
-    plant(cache, 1, "linear-float32-K64xN128", {"gemv_rows": 3})  # fields missing: a hand edit
-    assert PackedLinear(nn.Linear(64, 96), blocks=1, tuning=Tuning(1)).plan.source == "measured"
-    assert PackedLinear(nn.Linear(64, 96), blocks=1, tuning=Tuning(1)).plan.source == "cache"
+    for bad in ({"gemv_rows": 3},  # fields missing: a hand edit
+                {"gemv_rows": 3, "gemm": [[64, "onednn"]], "reason": ""},  # no bucket for 65 rows on
+                {"gemv_rows": 3, "gemm": [[None, "fastest"]], "reason": ""}):
+        plant(cache, 1, "linear-float32-K64xN128", bad)
+        assert PackedLinear(nn.Linear(64, 96), blocks=1, tuning=Tuning(1)).plan.source == "measured"
+        assert PackedLinear(nn.Linear(64, 96), blocks=1, tuning=Tuning(1)).plan.source == "cache"
 
 
 def test_remeasure_overwrites_a_cached_answer(cache, monkeypatch):

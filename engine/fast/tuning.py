@@ -68,6 +68,7 @@ GEMV_ROW_CANDIDATES = (1, 2, 4, 8, 12, 16)
 # (the most rows a bucket holds, the rows it is measured at): rows above gemv_rows fall in the first
 # bucket whose bound is >= them; None: no bound
 GEMM_BUCKETS = ((64, 32), (256, 128), (1024, 512), (None, 2048))
+GEMMS = ("onednn", "linear")  # the GEMMs a bucket may run on
 # prompt lengths at which the C flash-prefill kernel and torch's fused attention are raced
 PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 # a measurement bigger than this many FLOPs is skipped (the default path is kept, and says so):
@@ -256,7 +257,13 @@ class Tuning:
 
 
 def _linear_plan(gemv_rows, gemm, reason, source) -> LinearPlan:
-    return LinearPlan(gemv_rows, tuple((b, p) for b, p in gemm), reason, source)
+    """A LinearPlan read back from JSON; ValueError unless it is one `measure_linear` could write
+    (the cache then measures again)."""
+    gemm = tuple((b, p) for b, p in gemm)
+    if (not isinstance(gemv_rows, int) or not 0 <= gemv_rows <= max(GEMV_ROW_CANDIDATES)
+            or not gemm or gemm[-1][0] is not None or any(p not in GEMMS for _, p in gemm)):
+        raise ValueError(f"not a linear plan: gemv_rows={gemv_rows!r}, gemm={gemm!r}")
+    return LinearPlan(gemv_rows, gemm, reason, source)
 
 
 def _tokens(n: int) -> str:
