@@ -16,7 +16,8 @@ and set each against the two floors a part cannot beat on this machine:
 
     bytes floor    the bytes it must read (weights once per step; each sequence's K and V) / the measured
                    read bandwidth (a sum over a 1 GiB fp32 tensor, the same threads)
-    compute floor  its FLOPs / the measured GEMM peak (oneDNN's packed fp32 GEMM at 4,096 rows)
+    compute floor  its FLOPs / the measured GEMM peak (oneDNN's packed fp32 GEMM at 4,096 rows:
+                   benchmarks/vs_vllm.py's matmul_peak_gflops)
 
 The larger floor is the part's ceiling: a step whose linears sit near the compute floor is compute-bound, and
 halving its weight bytes (bf16) cannot speed it up; what sits far above both floors is overhead to cut.
@@ -40,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import torch  # noqa: E402
 
-from benchmarks._common import REAL_MODEL, markdown_table, write_results  # noqa: E402
+from benchmarks._common import REAL_MODEL, markdown_table, real_model_folder, write_results  # noqa: E402
+from benchmarks.vs_vllm import matmul_peak_gflops  # noqa: E402
 
 BATCH = 64
 PROMPT_LENGTHS = (32, 256)  # as benchmarks/vs_vllm.py's offline prompts
 TIMED_STEPS = 8
 SEED = 0
 BANDWIDTH_BYTES = 2**30  # the read-bandwidth probe: a sum over this many bytes of fp32
-PEAK_ROWS = 4096
 REPEATS = 5
 
 
@@ -62,21 +63,6 @@ def read_bandwidth_gbs(threads: int) -> float:
         x.sum()
         times.append(time.perf_counter() - start)
     return BANDWIDTH_BYTES / statistics.median(times) / 1e9
-
-
-def gemm_peak_gflops(E: int, N: int, threads: int) -> float:
-    """GFLOP/s of oneDNN's packed fp32 GEMM [PEAK_ROWS, E] x [N, E]^T (the engine's batched matmul)."""
-    torch.set_num_threads(threads)
-    x, w = torch.randn(PEAK_ROWS, E), torch.randn(N, E)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, PEAK_ROWS)
-    gemm = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-    gemm()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        gemm()
-        times.append(time.perf_counter() - start)
-    return 2 * PEAK_ROWS * E * N / statistics.median(times) / 1e9
 
 
 class Stopwatch:
@@ -151,8 +137,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     llm = LLM(REAL_MODEL, num_threads=args.threads, max_num_seqs=max(args.batch, 1), enable_prefix_caching=False)
     engine, cfg = llm.engine, llm.engine.model.config
-    bandwidth, peak = read_bandwidth_gbs(args.threads), gemm_peak_gflops(cfg.hidden_size,
-                                                                         2 * cfg.intermediate_size, args.threads)
+    # vs_vllm.py's peak: oneDNN's packed GEMM of [4096, E] x the gate/up weight, the same threads
+    bandwidth, peak = read_bandwidth_gbs(args.threads), matmul_peak_gflops(real_model_folder(), "float32",
+                                                                           args.threads)
     fill(engine, cfg.vocab_size, args.batch)
     watch, steps = Stopwatch(), []
     instrument(engine, watch)

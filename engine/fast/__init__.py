@@ -52,8 +52,9 @@ def accelerate(model, kv_pool, options: FastOptions, sliding_window: int | None,
                                                    kv_pool.dtype)
     tuning = Tuning(num_threads)  # this machine's measured choices (tuning.py)
     prefill = c_prefill_plan(model.config, kv_pool, tuning) if name == "native" else None
-    attention = (PlannedAttention(kv_pool, name, sliding_window,
-                                  prefill and prefill.max_tokens) if name in PLANNED else
+    c_prefill_tokens = None if prefill is None else prefill.max_tokens  # None: probes.py's rule
+    attention = (PlannedAttention(kv_pool, name, sliding_window, c_prefill_tokens)
+                 if name in PLANNED else
                  KernelAttention(kv_pool, name, sliding_window))  # may fall back, with a warning
     weight = model.embed_tokens.weight if transform_model else None  # (a pipeline stage has none)
     packed = transform_model and probes.use_packed(options.weight_layout, weight.dtype,
