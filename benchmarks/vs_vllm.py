@@ -53,6 +53,8 @@ from benchmarks._common import (  # noqa: E402
     markdown_table,
     model_provenance,
     real_model_folder,
+    result_tag,
+    tagged,
     write_results,
 )
 from benchmarks._vs_vllm_workers import ENGINES, TRANSFORMERS_BATCH  # noqa: E402
@@ -469,6 +471,8 @@ def main(argv=None) -> None:
     parser.add_argument("--isa", choices=tuple(ISA_CAPS), default="native",
                         help="avx2: torch, oneDNN, MKL and our C kernels capped at AVX2 + FMA in every engine's "
                              "process (an AVX2-only CPU's code paths; llama.cpp, built for this CPU, is left out)")
+    parser.add_argument("--tag", type=result_tag, default=None,
+                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
     args = parser.parse_args(argv)
     engines = [e for e in args.engines if not ((args.dtype != "float32" or args.isa != "native") and e == "llamacpp")]
     os.environ.update(ISA_CAPS[args.isa])  # every worker inherits it (engine_env), and so does our peak GEMM
@@ -525,7 +529,7 @@ def main(argv=None) -> None:
                    logs=str(log_dir))
     name = "vs_vllm" + ("" if args.dtype == "float32" else f"_{args.dtype}") + (
         "" if args.isa == "native" else f"_{args.isa}")
-    json_path, _ = write_results(name, rows, settings, notes=notes_text(settings, details),
+    json_path, _ = write_results(tagged(name, args.tag), rows, settings, notes=notes_text(settings, details),
                                  results_dir=args.results_dir)
     json_path.write_text(json.dumps(dict(json.loads(json_path.read_text()), details=details), indent=2) + "\n")
 

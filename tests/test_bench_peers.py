@@ -315,3 +315,20 @@ def test_servelab_runs_the_peers_workload_with_prefix_caching_off_as_vllm_does()
     generate, info = servelab_engine(job)
     assert info["enable_prefix_caching"] is False and info["speed_choices"]["speed"] == "fast"
     assert generate([job["prefill_prompt"]], 2) == generate([job["prefill_prompt"]], 2)
+
+
+def test_a_tagged_benchmark_writes_beside_the_untagged_one_and_a_bad_tag_is_refused(tmp_path):
+    """--tag keeps another CPU's results beside this one's: the suffix is the only change of name."""
+    import argparse
+
+    from benchmarks._common import result_tag, tagged, write_results
+
+    assert tagged("vs_vllm", None) == "vs_vllm"
+    assert tagged("vs_vllm", result_tag("xeon-amx")) == "vs_vllm_xeon-amx"
+    write_results(tagged("repeatability", None), [{"run": 1}], {}, results_dir=tmp_path)
+    write_results(tagged("repeatability", "xeon"), [{"run": 2}], {}, results_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "repeatability.json", "repeatability.md", "repeatability_xeon.json", "repeatability_xeon.md"]
+    for bad in ("Xeon", "../up", "", "a b", "-x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--tag"):
+            result_tag(bad)
