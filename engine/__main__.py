@@ -139,6 +139,11 @@ def cmd_eval(args) -> None:
     from engine.lab.eval import evaluate_model
     from engine.loading.loader import load_model
 
+    if args.quant_head and args.quant in (None, "gguf"):
+        raise ValueError("--quant-head quantizes the LM head beside --quant's linears: give "
+                         "--quant a scheme (a GGUF file's head keeps its own blocks)")
+    if args.quant_head_bits != 8 and not args.quant_head:
+        raise ValueError(f"--quant-head-bits {args.quant_head_bits} needs --quant-head")
     model, tok = load_model(args.model, dtype=DTYPES[args.dtype],
                             quantization="gguf" if args.quant == "gguf" else None)
     bytes_line = _quantize_for_eval(model, tok, args)
@@ -183,9 +188,8 @@ def _quantize_for_eval(model, tok, args) -> str:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             quantize_model(model, args.quant, calibration=calibration, backend=args.quant_backend)
-    # "gguf" keeps the file's own head blocks
-    if args.quant_head and args.quant not in (None, "gguf"):
-        quantize_lm_head(model, backend=args.quant_backend)
+    if args.quant_head:  # cmd_eval refused it without a scheme or beside "gguf" (its own head)
+        quantize_lm_head(model, backend=args.quant_backend, bits=args.quant_head_bits)
     parts = weight_bytes_breakdown(model)
     detail = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items() if v)
     scheme = args.quant or f"none ({args.dtype})"
@@ -470,8 +474,10 @@ def main(argv=None) -> None:
                    help="the quantized matmul kernel (packed: torch's int8/int4 CPU ops, bf16 "
                         "inside; native: our C kernel, x rounded to int8 per 32 inputs)")
     e.add_argument("--quant-head", action="store_true",
-                   help="with --quant: the LM head in int8 too "
+                   help="with --quant: the LM head quantized too "
                         "(groups of 32; the embedding stays float)")
+    e.add_argument("--quant-head-bits", type=int, default=8, choices=[8, 4],
+                   help="with --quant-head: int8 (default) or int4 head")
     e.set_defaults(func=cmd_eval)
     d = sub.add_parser("demo", help="the classroom demo on the bundled model")
     d.add_argument("--model", default="tinylab")

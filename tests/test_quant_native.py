@@ -8,6 +8,7 @@ threads, its answer does not depend on the thread count, what it cannot run fall
 and a model on it generates the naive loop's tokens through the engine.
 """
 
+import copy
 import re
 from pathlib import Path
 
@@ -274,3 +275,38 @@ def test_an_int8_lm_head_reads_a_quarter_of_the_bytes_and_keeps_greedy_text():
     assert 0 < ((after - before).abs().mean() / before.std()).item() < 0.01
     with pytest.raises(ValueError, match="its LM head is already quantized"):
         quantize_lm_head(model)
+
+
+def test_an_int4_lm_head_reads_about_a_fifth_of_the_bytes_and_keeps_the_top_token():
+    """bits=4: the head in int4 groups of 32 (a scale and a zero each), on the native kernel, still picks
+    the fp32 head's greedy token on tinylab; a bits value other than 8 or 4 is refused by name."""
+    model, tok = load_model("tinylab")
+    ids = torch.tensor([tok.encode("Once upon a time")])
+    with torch.no_grad():
+        before = model(ids)
+    int8 = quantize_lm_head(copy.deepcopy(model), backend="native").lm_head
+    quantize_lm_head(model, backend="native", bits=4)
+    head = model.lm_head
+    assert isinstance(head, QuantLinear) and head.bits == 4 and head.group_size == 32
+    assert 5 * head.qw.nbytes() < model.embed_tokens.weight.nbytes < 7 * head.qw.nbytes()
+    assert head.qw.nbytes() < 0.7 * int8.qw.nbytes()
+    with torch.no_grad():
+        after = model(ids)
+    assert torch.equal(after[0, -1].argmax(), before[0, -1].argmax())
+    error = ((after - before).abs().mean() / before.std()).item()
+    assert 0.005 < error < 0.1  # coarser than int8's (< 0.01), and not a copy of the fp32 head
+    for bad in (2, 16, "4"):
+        with pytest.raises(ValueError, match="bits: the LM head is quantized to one of"):
+            quantize_lm_head(copy.deepcopy(model.__class__(model.config)), bits=bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--quant-head"], "--quant-head quantizes the LM head beside --quant"),
+    (["eval", "--quant", "gguf", "--quant-head"], "--quant-head quantizes the LM head beside --quant"),
+    (["eval", "--quant", "int4-g128", "--quant-head-bits", "4"], "--quant-head-bits 4 needs --quant-head"),
+])
+def test_eval_refuses_a_head_option_it_would_otherwise_ignore(argv, message):
+    from engine.__main__ import main
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(argv)

@@ -59,7 +59,8 @@ from kernels.quant_matmul.reference import (
 GPTQ_DAMP = 0.01  # GPTQ's "percdamp": add 1% of H's mean diagonal, so H stays invertible
 GPTQ_BLOCK = 128  # columns updated together (the paper's lazy batch); results do not depend on it
 PREPARED_BACKENDS = ("packed", "native")  # backends with per-weight work done once, in set_backend
-HEAD_GROUP = 32  # the LM head's int8 groups (``quantize_lm_head``): GGUF's Q8_0 blocks use the same
+HEAD_GROUP = 32  # the LM head's groups (``quantize_lm_head``): as GGUF's Q8_0 and Q4_0 blocks
+HEAD_BITS = (8, 4)  # quantize_lm_head's choices: int8 (as Q8_0), int4 (as Q4_1: a scale and a zero)
 SMOOTH_MIN = 1e-5  # no smoothing factor below this: a dead channel must not become a division by ~0
 
 
@@ -504,19 +505,24 @@ def quantized_weight_bytes(model: nn.Module) -> int:
 
 
 def quantize_lm_head(model: nn.Module, backend: str = "torch",
-                     qw: QuantizedWeight | None = None) -> nn.Module:
-    """Give ``model`` an int8 LM head (groups of ``HEAD_GROUP``, or ``qw``, e.g. a GGUF file's
-    Q8_0 head), in place; returns the model. The embedding stays float: a token's lookup reads
-    one row of it, while the head reads ALL of it for every decoded token (SmolLM2: 49,152 x 576,
-    108 MiB in fp32, the largest matrix). A tied head is untied: the int8 copy is extra bytes on
-    disk and in memory, but a quarter of the bytes each decode step reads."""
+                     qw: QuantizedWeight | None = None, bits: int = 8) -> nn.Module:
+    """Give ``model`` an int8 (``bits=8``) or int4 (``bits=4``) LM head in groups of
+    ``HEAD_GROUP``, or ``qw`` (e.g. a GGUF file's Q8_0 head), in place; returns the model. The
+    embedding stays float: a token's lookup reads one row of it, while the head reads ALL of it
+    for every decoded token (SmolLM2: 49,152 x 576, 108 MiB in fp32, the largest matrix). A tied
+    head is untied: the quantized copy is extra bytes on disk and in memory, but a quarter (int8)
+    or about a fifth (int4, with a scale and a zero per group) of the bytes each decode step reads.
+    With int4 decoder linears the int8 head is still a third of a step's bytes; an int4 head
+    trades some of the logits' precision for them (benchmarks/quantization.md measures both)."""
+    if bits not in HEAD_BITS:
+        raise ValueError(f"bits: the LM head is quantized to one of {HEAD_BITS} bits, got {bits!r}")
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantLinear):
         raise ValueError("model: its LM head is already quantized")
     weight = _weight_of("lm_head", head)
     if qw is None:
-        qw = quantize(weight.float(), 8,
-                      group_size_for(QuantScheme("head", 8, HEAD_GROUP), weight.shape[1]))
+        qw = quantize(weight.float(), bits,
+                      group_size_for(QuantScheme("head", bits, HEAD_GROUP), weight.shape[1]))
     elif qw.shape != tuple(weight.shape):
         raise ValueError(f"qw: the head is {list(weight.shape)}, got a {list(qw.shape)} weight")
     model.lm_head = QuantLinear(qw, head.bias, backend)
