@@ -14,6 +14,7 @@ from engine.companions.roofline import (
     classify,
     decode_roofline_tokens_per_s,
     forward_cost,
+    last_level_cache_bytes,
     predicted_time,
     ridge_point,
 )
@@ -146,22 +147,32 @@ def test_halving_the_weight_bytes_nearly_doubles_the_decode_bound():
     assert int8 == pytest.approx(2 * fp16, rel=1e-4)
 
 
-def _last_level_cache_bytes() -> int:
-    """This CPU's L3 from sysfs ("32768K"), else 32 MiB, a common laptop and desktop size."""
-    try:
-        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
-    except OSError:
-        return 32 * 2**20
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
-    return int(text.rstrip("KM")) * scale
-
-
 def test_fast_calibration_still_copies_past_the_last_level_cache(monkeypatch):
     # A copy that fits in L3 measures the cache, not DRAM, and moves the ridge: FAST may shorten the
     # time, never the buffer below twice the cache.
     monkeypatch.setenv("SERVELAB_FAST", "1")
     copied_mib = int(calibrate().description.split("copy ")[1].split(" MiB")[0])
-    assert copied_mib * 2**20 >= 2 * _last_level_cache_bytes()
+    assert copied_mib * 2**20 >= 2 * last_level_cache_bytes()
+
+
+@pytest.mark.parametrize("text, expected", [("32768K\n", 32 * 2**20), ("480M", 480 * 2**20), ("1G", 2**30),
+                                            ("4096", 4096), ("", 32 * 2**20), ("big", 32 * 2**20)])
+def test_the_last_level_cache_is_read_from_sysfs_with_its_unit(tmp_path, text, expected):
+    size = tmp_path / "size"
+    size.write_text(text)
+    assert last_level_cache_bytes(str(size)) == expected
+    assert last_level_cache_bytes(str(tmp_path / "missing")) == 32 * 2**20
+
+
+def test_a_cpu_with_a_large_cache_gets_a_copy_twice_its_size(monkeypatch):
+    """A server's 480 MiB L3 (seen from a VM): the 128 MiB FAST copy would measure the cache."""
+    import engine.companions.roofline as roofline
+
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 480 * 2**20)
+    assert roofline.calibration_copy_bytes(fast=True) == roofline.calibration_copy_bytes(fast=False) == 960 * 2**20
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 8 * 2**20)
+    assert roofline.calibration_copy_bytes(fast=True) == 128 * 2**20
+    assert roofline.calibration_copy_bytes(fast=False) == 256 * 2**20
 
 
 def test_calibrate_returns_positive_numbers_under_fast_mode(monkeypatch):

@@ -168,13 +168,36 @@ def decode_roofline_tokens_per_s(config: ModelConfig, roofline: MachineRoofline,
 
 
 # Calibration sizes. The matmul must be big enough that arithmetic, not overhead, dominates;
-# the copy buffer must be well beyond the CPU's last-level cache (tens of MB) so we measure DRAM.
+# the copy buffer must be well beyond the CPU's last-level cache so we measure DRAM.
 # FAST mode shortens the time, not the copy: a 16 MiB buffer sat in a 32 MiB L3 and read at about
 # three times the DRAM rate, which moved the ridge left and made the roofline's verdicts wrong.
-# 128 MiB is four times the 32 MiB L3 of this machine and of most laptop and desktop parts; a
-# chip with more L3 (stacked-cache desktops, many servers) needs the full-size run.
+# 128 MiB is four times the 32 MiB L3 of most laptop and desktop parts; where the CPU reports more
+# (a server's shared L3 seen from a VM: 480 MiB on one Intel Xeon here), the copy grows to
+# COPY_OVER_CACHE times it.
 MATMUL_N, MATMUL_N_FAST = 1024, 256
 COPY_BYTES, COPY_BYTES_FAST = 256 * 2**20, 128 * 2**20
+COPY_OVER_CACHE = 2  # the copy is at least this many times the last-level cache
+LLC_SYSFS = "/sys/devices/system/cpu/cpu0/cache/index3/size"  # the L3's size, e.g. "32768K"
+LLC_FALLBACK_BYTES = 32 * 2**20  # where sysfs does not say: a common laptop and desktop L3
+SIZE_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes(path: str = LLC_SYSFS) -> int:
+    """This CPU's L3 in bytes as Linux reports it ("32768K"), else LLC_FALLBACK_BYTES."""
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return LLC_FALLBACK_BYTES
+    digits = text.rstrip("".join(SIZE_SUFFIXES))
+    if not digits.isdigit():
+        return LLC_FALLBACK_BYTES
+    return int(digits) * SIZE_SUFFIXES.get(text[-1], 1)
+
+
+def calibration_copy_bytes(fast: bool) -> int:
+    """The copy buffer's size: COPY_BYTES (or COPY_BYTES_FAST), and never under COPY_OVER_CACHE
+    times the last-level cache."""
+    return max(COPY_BYTES_FAST if fast else COPY_BYTES, COPY_OVER_CACHE * last_level_cache_bytes())
 MIN_REPEATS = 3
 DEFAULT_CALIBRATION_SECONDS = 2.0
 FAST_CALIBRATION_SECONDS = 0.2
@@ -186,14 +209,14 @@ def calibrate(seconds: float | None = None, device: str = "cpu") -> MachineRoofl
     These are achieved numbers, not the spec sheet's peak: a square fp32 matmul (best of several)
     for FLOP/s, and a large tensor copy (read + write bytes, best of several) for bandwidth.
     Spec sheets quote the best case of the best dtype; a real kernel reaches some fraction of it.
-    SERVELAB_FAST=1 shrinks the matmul and the time so tests finish quickly; the copy stays larger
-    than a desktop CPU's last-level cache (COPY_BYTES_FAST), so the bandwidth is still DRAM's.
+    SERVELAB_FAST=1 shrinks the matmul and the time so tests finish quickly; the copy stays at
+    least twice this CPU's last-level cache (calibration_copy_bytes), so the bandwidth is DRAM's.
     """
     fast = os.environ.get("SERVELAB_FAST") == "1"
     if seconds is None:
         seconds = FAST_CALIBRATION_SECONDS if fast else DEFAULT_CALIBRATION_SECONDS
     n = MATMUL_N_FAST if fast else MATMUL_N
-    copy_bytes = COPY_BYTES_FAST if fast else COPY_BYTES
+    copy_bytes = calibration_copy_bytes(fast)
 
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     matmul_s = _best_time(lambda: torch.mm(a, b), seconds / 2, device)
