@@ -105,6 +105,12 @@ def result_tag(text: str) -> str:
     return text
 
 
+def add_tag_option(parser: argparse.ArgumentParser) -> None:
+    """``--tag NAME``: this run's results go to ``<name>_<NAME>`` (another CPU's beside this one's)."""
+    parser.add_argument("--tag", type=result_tag, default=None,
+                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
+
+
 def tagged(name: str, tag: str | None) -> str:
     """``name``, or ``name_tag`` for a run given ``--tag``."""
     return name if tag is None else f"{name}_{tag}"

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from benchmarks._common import (  # noqa: E402
     REAL_MODEL,
     REPO_ROOT,
+    add_tag_option,
     markdown_table,
-    result_tag,
     tagged,
     write_results,
 )
@@ -81,8 +81,7 @@ def main(argv=None) -> None:
     parser.add_argument("--isa", choices=tuple(ISA_CAPS), default="native",
                         help="avx2: cap torch, oneDNN, MKL and our C kernels at AVX2 + FMA (an AVX2-only "
                              "CPU's code paths, not its memory system; results go to repeatability_avx2)")
-    parser.add_argument("--tag", type=result_tag, default=None,
-                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
+    add_tag_option(parser)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -43,9 +43,9 @@ import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     REAL_MODEL,
+    add_tag_option,
     markdown_table,
     real_model_folder,
-    result_tag,
     tagged,
     write_results,
 )
@@ -141,8 +141,7 @@ def main(argv=None) -> None:
                              "step_anatomy_b<batch>)")
     parser.add_argument("--steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--results-dir", type=Path, default=None)
-    parser.add_argument("--tag", type=result_tag, default=None,
-                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
+    add_tag_option(parser)
     args = parser.parse_args(argv)
     llm = LLM(REAL_MODEL, num_threads=args.threads, max_num_seqs=max(args.batch, 1), enable_prefix_caching=False)
     engine, cfg = llm.engine, llm.engine.model.config

@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from benchmarks._common import (  # noqa: E402
     REAL_MODEL_LABEL,
     REPO_ROOT,
+    add_tag_option,
     markdown_table,
     model_provenance,
     real_model_folder,
-    result_tag,
     tagged,
     write_results,
 )
@@ -471,8 +471,7 @@ def main(argv=None) -> None:
     parser.add_argument("--isa", choices=tuple(ISA_CAPS), default="native",
                         help="avx2: torch, oneDNN, MKL and our C kernels capped at AVX2 + FMA in every engine's "
                              "process (an AVX2-only CPU's code paths; llama.cpp, built for this CPU, is left out)")
-    parser.add_argument("--tag", type=result_tag, default=None,
-                        help="results go to <name>_<tag> (e.g. --tag xeon: another CPU's beside this one's)")
+    add_tag_option(parser)
     args = parser.parse_args(argv)
     engines = [e for e in args.engines if not ((args.dtype != "float32" or args.isa != "native") and e == "llamacpp")]
     os.environ.update(ISA_CAPS[args.isa])  # every worker inherits it (engine_env), and so does our peak GEMM

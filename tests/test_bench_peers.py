@@ -321,7 +321,7 @@ def test_a_tagged_benchmark_writes_beside_the_untagged_one_and_a_bad_tag_is_refu
     """--tag keeps another CPU's results beside this one's: the suffix is the only change of name."""
     import argparse
 
-    from benchmarks._common import result_tag, tagged, write_results
+    from benchmarks._common import add_tag_option, result_tag, tagged, write_results
 
     assert tagged("vs_vllm", None) == "vs_vllm"
     assert tagged("vs_vllm", result_tag("xeon-amx")) == "vs_vllm_xeon-amx"
@@ -332,3 +332,8 @@ def test_a_tagged_benchmark_writes_beside_the_untagged_one_and_a_bad_tag_is_refu
     for bad in ("Xeon", "../up", "", "a b", "-x"):
         with pytest.raises(argparse.ArgumentTypeError, match="--tag"):
             result_tag(bad)
+    parser = argparse.ArgumentParser()
+    add_tag_option(parser)
+    assert parser.parse_args(["--tag", "epyc-avx2"]).tag == "epyc-avx2" and parser.parse_args([]).tag is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tag", "../results"])

@@ -170,6 +170,7 @@ def test_a_cpu_with_a_large_cache_gets_a_copy_twice_its_size(monkeypatch):
 
     monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 480 * 2**20)
     assert roofline.calibration_copy_bytes(fast=True) == roofline.calibration_copy_bytes(fast=False) == 960 * 2**20
+    assert roofline.calibration_copy_bytes(fast=True, device="cuda") == 128 * 2**20  # a GPU: not the CPU's L3
     monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 8 * 2**20)
     assert roofline.calibration_copy_bytes(fast=True) == 128 * 2**20
     assert roofline.calibration_copy_bytes(fast=False) == 256 * 2**20

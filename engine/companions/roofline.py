@@ -180,6 +180,9 @@ COPY_OVER_CACHE = 2  # the copy is at least this many times the last-level cache
 LLC_SYSFS = "/sys/devices/system/cpu/cpu0/cache/index3/size"  # the L3's size, e.g. "32768K"
 LLC_FALLBACK_BYTES = 32 * 2**20  # where sysfs does not say: a common laptop and desktop L3
 SIZE_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
+MIN_REPEATS = 3
+DEFAULT_CALIBRATION_SECONDS = 2.0
+FAST_CALIBRATION_SECONDS = 0.2
 
 
 def last_level_cache_bytes(path: str = LLC_SYSFS) -> int:
@@ -194,13 +197,13 @@ def last_level_cache_bytes(path: str = LLC_SYSFS) -> int:
     return int(digits) * SIZE_SUFFIXES.get(text[-1], 1)
 
 
-def calibration_copy_bytes(fast: bool) -> int:
-    """The copy buffer's size: COPY_BYTES (or COPY_BYTES_FAST), and never under COPY_OVER_CACHE
-    times the last-level cache."""
-    return max(COPY_BYTES_FAST if fast else COPY_BYTES, COPY_OVER_CACHE * last_level_cache_bytes())
-MIN_REPEATS = 3
-DEFAULT_CALIBRATION_SECONDS = 2.0
-FAST_CALIBRATION_SECONDS = 0.2
+def calibration_copy_bytes(fast: bool, device: str = "cpu") -> int:
+    """The copy buffer's size: COPY_BYTES (or COPY_BYTES_FAST), and on a CPU never under
+    COPY_OVER_CACHE times its last-level cache (a GPU's L2 is far below either)."""
+    size = COPY_BYTES_FAST if fast else COPY_BYTES
+    if torch.device(device).type != "cpu":
+        return size
+    return max(size, COPY_OVER_CACHE * last_level_cache_bytes())
 
 
 def calibrate(seconds: float | None = None, device: str = "cpu") -> MachineRoofline:
@@ -216,7 +219,7 @@ def calibrate(seconds: float | None = None, device: str = "cpu") -> MachineRoofl
     if seconds is None:
         seconds = FAST_CALIBRATION_SECONDS if fast else DEFAULT_CALIBRATION_SECONDS
     n = MATMUL_N_FAST if fast else MATMUL_N
-    copy_bytes = calibration_copy_bytes(fast)
+    copy_bytes = calibration_copy_bytes(fast, device)
 
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     matmul_s = _best_time(lambda: torch.mm(a, b), seconds / 2, device)

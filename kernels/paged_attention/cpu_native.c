@@ -23,9 +23,9 @@
  * A work item is one (sequence, KV head) pair; OpenMP (torch's own runtime, as in kernels/quant_matmul) shares
  * the B * Hkv items between threads. With enough sequences to go round, a thread claims all of one sequence's
  * items at once (its heads one after the other): two threads then never read different heads of the same tokens
- * at the same time, which cost ~15 % of a batch-64 step's attention on an Intel Xeon (2 threads: 33.9 -> 29.1 ms
- * for SmolLM2's 30 layers); with few sequences, the heads are shared out one by one so that both threads work. Inside an item the g queries and the g output rows stay in vector
- * registers (AVX-512 or AVX2 where the compiler was told the CPU has them), so memory traffic is K and V
+ * at the same time, which had cost ~15 % of a batch-64 step's attention on an Intel Xeon (2 threads, SmolLM2's 30
+ * layers: ~34 -> ~29 ms); with few sequences, the heads are shared out one by one so that both threads work.
+ * Inside an item the g queries and the g output rows stay in vector registers (AVX-512 or AVX2 where the compiler was told the CPU has them), so memory traffic is K and V
  * alone. What it cost to get there, measured on 64 sequences of ~180 tokens (SmolLM2's 9 / 3 heads of 64, bf16,
  * one core): the first version took 4.3 ms a layer. A 64-bit division (i / g, p / BS) per head and row cost
  * as much as the row's arithmetic, and fmaxf in the softmax kept GCC from vectorizing its exp (one libm call
