@@ -94,6 +94,20 @@ def test_a_linear_plan_is_measured_once_then_read_from_the_cache(cache):
     assert other.plan.source == "measured" and len(list((cache / "tuning").iterdir())) == 2
 
 
+def test_an_edited_raced_kernel_is_a_new_machine_fact(tmp_path):
+    """The cache folder's hash covers the C kernels the races time, so a new gemv is raced again
+    instead of inheriting the old one's answer."""
+    for name in tuning_module.RACED_KERNELS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((tuning_module.KERNELS_DIR / name).read_bytes())
+    (tmp_path / "cpu_vectors.h").write_bytes((tuning_module.KERNELS_DIR / "cpu_vectors.h").read_bytes())
+    same = tuning_module.raced_kernels_digest(tmp_path)
+    assert same == tuning_module.raced_kernels_digest() == Tuning(1).facts["kernels"]
+    gemv = tmp_path / tuning_module.RACED_KERNELS[0]
+    gemv.write_text(gemv.read_text() + "\n/* a faster loop */\n")
+    assert tuning_module.raced_kernels_digest(tmp_path) != same
+
+
 def plant(cache, threads: int, name: str, answer: dict) -> None:
     folder = Tuning(threads).folder
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ measure instead, the way autotuners do (Triton's `autotune`, oneDNN's own dispat
         c_prefill    the longest prompt the C flash-prefill kernel takes: the largest of
                      PREFILL_LENGTHS up to which it beat torch's fused attention
 
-Each answer is measured once per machine (CPU model + instruction flags + torch version + threads)
-and kept as a small JSON file beside the compiled kernels:
+Each answer is measured once per machine (CPU model + instruction flags + torch version + threads,
+and a digest of the raced C kernels' sources: an edited kernel is measured again) and kept as a small JSON file beside the compiled kernels:
 
     ~/.cache/servelab/tuning/<machine hash>/machine.json                     what the hash is of
     ~/.cache/servelab/tuning/<machine hash>/linear-float32-K1024xN4096.json  an answer, its times
@@ -50,10 +50,12 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from engine.threads import torch_threads
-from kernels.toolchain import c_flags, cpu_flags, kernel_cache_dir
+from kernels.toolchain import c_flags, cpu_flags, kernel_cache_dir, source_with_headers
 
 logger = logging.getLogger("engine")  # the engine's INFO lines (engine/kv/kv_pool.py's logger)
+KERNELS_DIR = Path(kernels.__file__).parent
 TUNING_VERSION = 1  # part of the machine hash: bump it when what is measured changes
 # "measure" (the default: measure what the cache lacks), "remeasure" (measure everything again and
 # overwrite the cache: doctor --retune) or "defaults" (measure nothing: probes.py's constants)
@@ -65,6 +67,8 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"
                      "amx_tile", "amx_bf16", "amx_int8")
 # decode rows at which the C kernel and oneDNN are raced (it takes at most 16: GEMV_MAX_ROWS)
 GEMV_ROW_CANDIDATES = (1, 2, 4, 8, 12, 16)
+# the C kernels the races time (with the headers they include): their digest is a machine fact
+RACED_KERNELS = ("gemv/cpu_native.c", "flash_prefill/cpu_native.c")
 # (the most rows a bucket holds, the rows it is measured at): rows above gemv_rows fall in the first
 # bucket whose bound is >= them; None: no bound
 GEMM_BUCKETS = ((64, 32), (256, 128), (1024, 512), (None, 2048))
@@ -132,7 +136,16 @@ def machine_facts(threads: int) -> dict:
             # what the code paths were built or capped for (an ISA cap changes who wins)
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_isa": os.environ.get(ONEDNN_ISA_ENV, "native"),
-            "c_flags": " ".join(c_flags())}
+            "c_flags": " ".join(c_flags()), "kernels": raced_kernels_digest()}
+
+
+def raced_kernels_digest(root: Path = KERNELS_DIR) -> str:
+    """A digest of the raced C kernels' sources: a new version of one is a new contestant, whose
+    race an old cached answer does not describe."""
+    digest = hashlib.sha256()
+    for name in RACED_KERNELS:
+        digest.update(source_with_headers(root / name))
+    return digest.hexdigest()[:16]
 
 
 def _cpuinfo() -> str:
