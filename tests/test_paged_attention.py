@@ -13,12 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import paged_decode_attention, resolve_backend, write_kv
+from kernels.paged_attention import NULL_BLOCK, paged_decode_attention, resolve_backend, split_k, write_kv
 from kernels.paged_attention import triton as triton_backend
-from kernels.paged_attention.cuda import nvcc_resource_report, registers_per_kernel
+from kernels.paged_attention.cuda import (
+    nvcc_resource_report,
+    paged_decode_attention_cuda,
+    registers_per_kernel,
+)
 from kernels.paged_attention.reference import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
+    quantize_kv_int8,
     write_kv_ref,
 )
 
@@ -162,11 +167,168 @@ def test_triton_write_kv_matches_reference(block_size, num_kv_heads, head_dim):
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
 
 
-def test_padding_entries_past_the_last_block_are_never_read():
+@pytest.mark.parametrize("num_partitions", [1, 2, 3])  # 3: one block each, two past sequence 1's end
+def test_padding_entries_past_the_last_block_are_never_read(num_partitions):
     inputs, _, _ = make_paged_cache([5, 2], 4, 4, 2, 8, device=DEVICE)
     inputs["block_tables"][1, 1:] = -1  # sequence 1 needs one block; the rest is padding
     expected = paged_decode_attention_ref(**inputs)
-    assert_close(triton_backend.paged_decode_attention_triton(**inputs), expected)
+    assert_close(triton_backend.paged_decode_attention_triton(**inputs, num_partitions=num_partitions),
+                 expected)
+
+
+# ---- split-K (flash-decoding): partitions, then the combine, against the reference -------------
+
+SPLIT_LENGTHS = [1, 4, 5, 14]  # BS = 4: one token, exactly a block, one past a block, 3.5 blocks
+
+
+def triton_split(inputs, num_partitions, **kwargs):
+    return triton_backend.paged_decode_attention_triton(**inputs, num_partitions=num_partitions, **kwargs)
+
+
+def poison_before_window(inputs, window):
+    """NaN in every block wholly before a sequence's window, and NULL_BLOCK in its table entry: a
+    kernel that reads one returns NaN (or fails the bounds check)."""
+    block_size = inputs["k_pool"].shape[1]
+    for b, n in enumerate(inputs["seq_lens"].tolist()):
+        for j in range(max(0, n - window) // block_size):
+            block = int(inputs["block_tables"][b, j])
+            inputs["k_pool"][block] = float("nan")
+            inputs["v_pool"][block] = float("nan")
+            inputs["block_tables"][b, j] = NULL_BLOCK
+    return inputs
+
+
+def int8_pools(inputs):
+    """The cache quantized per token and head (reference.quantize_kv_int8); slots no sequence owns
+    get a NaN scale, so reading one still poisons the output."""
+    num_blocks, block_size, num_kv_heads, head_dim = inputs["k_pool"].shape
+    pools, scales = {}, []
+    for name in ("k_pool", "v_pool"):
+        pool = inputs[name]
+        values, scale = quantize_kv_int8(pool.nan_to_num(0.0).reshape(-1, num_kv_heads, head_dim))
+        scale = scale.reshape(num_blocks, block_size, num_kv_heads)
+        scale[pool.isnan().any(dim=-1)] = float("nan")
+        pools[name] = values.reshape(pool.shape)
+        scales.append(scale)
+    return dict(inputs, **pools), tuple(scales)
+
+
+@pytest.mark.parametrize("num_partitions", [1, 2, 3, 7])
+def test_split_k_triton_decode_matches_reference_for_any_partition_count(num_partitions):
+    inputs, _, _ = make_paged_cache(SPLIT_LENGTHS, 4, 8, 2, 16, device=DEVICE)
+    if num_partitions == 7:  # more partitions than the table has blocks: some read nothing at all
+        assert inputs["block_tables"].shape[1] < num_partitions
+    assert_close(triton_split(inputs, num_partitions), paged_decode_attention_ref(**inputs))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+def test_split_k_triton_decode_matches_reference_across_gqa_ratios(num_heads, num_kv_heads):
+    inputs, _, _ = make_paged_cache(SPLIT_LENGTHS, 4, num_heads, num_kv_heads, 16, device=DEVICE, seed=4)
+    assert_close(triton_split(inputs, 3), paged_decode_attention_ref(**inputs))
+
+
+def test_split_k_triton_decode_handles_shapes_that_are_not_powers_of_two():
+    inputs, _, _ = make_paged_cache([1, 3, 4, 10], 3, num_heads=6, num_kv_heads=2, head_dim=24,
+                                    device=DEVICE)
+    assert_close(triton_split(inputs, 3), paged_decode_attention_ref(**inputs))
+
+
+@pytest.mark.parametrize("window,num_partitions", [(1, 2), (6, 2), (6, 5), (100, 3)])
+def test_split_k_triton_with_a_window_reads_only_the_window_and_empty_partitions_add_nothing(
+        window, num_partitions):
+    inputs, _, _ = make_paged_cache(SPLIT_LENGTHS, 4, 4, 2, 8, device=DEVICE, seed=5)
+    poison_before_window(inputs, window)
+    # in every case some partition of the longest sequence starts past its last block
+    span = split_k.blocks_read(inputs["block_tables"].shape[1], 4, window)
+    per_partition = math.ceil(span / num_partitions)
+    first_block = max(0, SPLIT_LENGTHS[-1] - window) // 4
+    assert first_block + (num_partitions - 1) * per_partition >= math.ceil(SPLIT_LENGTHS[-1] / 4)
+    assert_close(triton_split(inputs, num_partitions, sliding_window=window),
+                 paged_decode_attention_ref(**inputs, sliding_window=window))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("num_partitions", [2, 3])
+def test_split_k_triton_int8_decode_matches_reference(num_partitions, window):
+    floats, _, _ = make_paged_cache(SPLIT_LENGTHS, 4, 4, 2, 16, device=DEVICE, seed=6)
+    inputs, scales = int8_pools(floats)
+    assert_close(triton_split(inputs, num_partitions, sliding_window=window, scales=scales),
+                 paged_decode_attention_ref(**inputs, sliding_window=window, scales=scales))
+
+
+def test_triton_decode_chooses_split_k_for_a_long_context_and_still_matches_the_reference():
+    inputs, _, _ = make_paged_cache([600, 17], 16, num_heads=2, num_kv_heads=1, head_dim=8, device=DEVICE)
+    max_blocks = inputs["block_tables"].shape[1]  # 38 blocks of 16 + the spare column
+    assert split_k.choose_num_partitions(2, 1, max_blocks, 16) == 2
+    assert_close(triton_backend.paged_decode_attention_triton(**inputs), paged_decode_attention_ref(**inputs))
+
+
+# ---- how many partitions: the chooser's claims ------------------------------------------------
+
+
+def test_chooser_splits_a_long_context_at_a_small_batch():
+    # B = 4 sequences of 8192 tokens, Hkv = 8: 32 programs for 132 SMs without splitting
+    parts = split_k.choose_num_partitions(4, 8, 8192 // 16, 16)
+    assert parts == 32  # 1024 programs; 32 partitions of 16 blocks = 256 tokens, the shortest allowed
+    assert 8192 // parts == split_k.MIN_PARTITION_TOKENS
+
+
+def test_chooser_keeps_one_pass_for_big_batches_and_for_short_contexts():
+    assert split_k.choose_num_partitions(256, 8, 512 // 16, 16) == 1  # 2048 programs already
+    assert split_k.choose_num_partitions(2, 8, 256 // 16, 16) == 1  # one partition's worth of tokens
+    assert split_k.choose_num_partitions(1, 1, 1, 1) == 1
+
+
+def test_chooser_splits_the_docstring_example_into_five():
+    # B = 32, context 2048, Hkv = 8 (triton.py's docstring): 256 programs -> 1280 with P = 5
+    assert split_k.choose_num_partitions(32, 8, 2048 // 16, 16) == 5
+    assert split_k.partition_plan(None, 32, 8, 2048 // 16, 16, None, torch.device("cpu")) == (5, 26)
+
+
+@pytest.mark.parametrize("batch,heads", [(1, 1), (3, 8), (32, 32), (200, 8)])
+@pytest.mark.parametrize("max_blocks,block_size", [(1, 16), (31, 16), (77, 16), (300, 4), (4096, 1)])
+def test_chooser_partitions_hold_whole_blocks_and_none_is_empty(batch, heads, max_blocks, block_size):
+    parts = split_k.choose_num_partitions(batch, heads, max_blocks, block_size)
+    per_partition = math.ceil(max_blocks / parts)
+    assert (parts - 1) * per_partition < max_blocks  # the last partition has a block to read
+    if parts > 1:
+        assert per_partition * block_size >= split_k.MIN_PARTITION_TOKENS
+        # only as far as needed: one partition fewer would not fill the GPU yet
+        assert (parts - 1) * batch * heads < split_k.DEFAULT_NUM_SMS * split_k.PROGRAMS_PER_SM
+
+
+def test_a_sliding_window_splits_only_the_blocks_it_reads():
+    cpu = torch.device("cpu")
+    assert split_k.partition_plan(None, 1, 8, 128, 16, None, cpu) == (8, 16)  # 2048 tokens
+    assert split_k.partition_plan(None, 1, 8, 128, 16, 512, cpu) == (2, 17)  # 512 tokens: 33 blocks
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 17, 40])
+def test_blocks_read_is_the_most_blocks_a_window_can_touch(window, block_size):
+    touched = [(start + window - 1) // block_size - start // block_size + 1 for start in range(64)]
+    assert split_k.blocks_read(1000, block_size, window) == max(touched)
+    assert split_k.blocks_read(2, block_size, window) == min(2, max(touched))  # never past the table
+
+
+@pytest.mark.parametrize("launcher", [triton_backend.paged_decode_attention_triton,
+                                      paged_decode_attention_cuda], ids=["triton", "cuda"])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, split_k.MAX_PARTITIONS + 1])
+def test_bad_num_partitions_is_a_value_error_naming_the_field(launcher, bad):
+    inputs, _, _ = make_paged_cache([5], 4, 4, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"num_partitions: must be an integer in 1\.\.65535.*got "
+                                         + re.escape(repr(bad))):
+        launcher(**inputs, num_partitions=bad)
+
+
+def test_split_k_scratch_traffic_matches_the_worked_example_in_the_docstring():
+    mib = 2**20
+    fused = triton_backend.decode_traffic_bytes(32, 2048, 32, 8, 128, elem_bytes=2)["fused"]
+    scratch = split_k.scratch_traffic_bytes(32, 32, 128, num_partitions=5)
+    # By hand: 32 sequences x 32 heads x 5 partitions x (128 + 2) fp32 values, written and read back
+    assert scratch == 2 * 32 * 32 * 5 * 130 * 4
+    assert round(scratch / mib, 1) == 5.1 and round(100 * scratch / fused) == 2
+    assert split_k.scratch_traffic_bytes(32, 32, 128, num_partitions=1) == 0
 
 
 # ---- bad input is a ValueError naming the field, before any kernel runs -----------------------
@@ -279,12 +441,15 @@ def test_decode_traffic_matches_the_worked_example_in_the_docstring():
 def test_cuda_kernel_compiles_without_spills_and_reports_registers():
     report = nvcc_resource_report(arch="sm_90")
     counts = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
-    assert len(counts) == 3, report  # float, half, bfloat16 instantiations
+    assert len(counts) == 9, report  # one-pass, partition and reduce kernels x float, half, bfloat16
     assert all(1 <= n <= 255 for n in counts), report  # 255: the most a thread can address
     assert "0 bytes spill stores" in report and not re.search(r"[1-9]\d* bytes spill", report), report
     kernels = registers_per_kernel(report)
     assert sorted(kernels.values()) == sorted(counts)
-    assert any("__half" in name for name in kernels) and any("float" in name for name in kernels)
+    for kernel in ("paged_decode_kernel<", "paged_decode_partition_kernel<", "paged_decode_reduce_kernel<"):
+        names = [name for name in kernels if kernel in name]
+        assert len(names) == 3 and any("__half" in n for n in names) and any("bfloat16" in n for n in names), \
+            report
 
 
 @pytest.mark.gpu
@@ -298,3 +463,17 @@ def test_cuda_decode_matches_reference_on_gpu(dtype, block_size, num_heads, num_
     inputs, _, _ = make_paged_cache(lengths, block_size, num_heads, num_kv_heads, head_dim,
                                     dtype=dtype, device="cuda")
     assert_close(paged_decode_attention_cuda(**inputs), paged_decode_attention_ref(**inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_partitions", [1, 2, 3, 8, 100, None])  # 100: more than the 64 blocks
+@pytest.mark.parametrize("window", [None, 40])
+def test_cuda_split_k_decode_matches_reference_on_gpu(dtype, num_partitions, window):
+    lengths = [1, 16, 17, 300, 1000]
+    inputs, _, _ = make_paged_cache(lengths, 16, 8, 2, 128, dtype=dtype, device="cuda")
+    if window is not None:
+        poison_before_window(inputs, window)
+    expected = paged_decode_attention_ref(**inputs, sliding_window=window)
+    assert_close(paged_decode_attention_cuda(**inputs, sliding_window=window, num_partitions=num_partitions),
+                 expected)

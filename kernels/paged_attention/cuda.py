@@ -1,4 +1,5 @@
-"""Build, run and inspect the CUDA paged decode kernel (``paged_attention.cu``).
+"""Build, run and inspect the CUDA paged decode kernels (``paged_attention.cu``): the one-pass
+kernel, and split-K's partition and reduce kernels (``split_k.py`` says when each runs).
 
 Two ways in:
 - ``paged_decode_attention_cuda(...)`` compiles the .cu file into a PyTorch extension the first
@@ -18,11 +19,14 @@ from pathlib import Path
 from kernels.toolchain import build_cuda_extension, demangle, ptxas_lines
 
 from .reference import check_paged_inputs
+from .split_k import check_num_partitions, partition_plan
 
 CU_FILE = Path(__file__).with_name("paged_attention.cu")
 EXTENSION_NAME = "servelab_paged_attention"
 MAX_HEAD_DIM = 512  # NUM_THREADS (128) x MAX_DIMS_PER_THREAD (4) in the .cu file
-SMEM_FLOATS_PER_BLOCK = "D + 2 * BS"  # the kernel's dynamic shared memory: q, scores, probabilities
+# the attention kernels' dynamic shared memory (one-pass and partition alike): q, scores,
+# probabilities; the reduce kernel uses none
+SMEM_FLOATS_PER_BLOCK = "D + 2 * BS"
 MAX_SMEM_BYTES = 48 * 1024  # dynamic shared memory a launch gets without opting in to more
 
 
@@ -33,10 +37,13 @@ def load_cuda_extension():
 
 
 def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
-                                sliding_window: int | None = None, scales=None):
+                                sliding_window: int | None = None, scales=None,
+                                num_partitions: int | None = None):
     """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D] (float pools
-    only)."""
+    only). ``num_partitions``: 1 runs the one-pass kernel, P > 1 the split-K kernels (partitions,
+    then the reduce), None lets ``split_k.choose_num_partitions`` pick for B * H thread blocks."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
+    check_num_partitions(num_partitions)
     if scales is not None:
         raise ValueError("scales: the CUDA kernel reads float pools only; "
                          "use backend 'torch' or 'triton' for int8 KV")
@@ -54,9 +61,14 @@ def paged_decode_attention_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale
         if pool.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim D must be contiguous (stride 1), "
                              f"got {pool.stride()}")
+    # one thread block per query head: H of them per sequence before splitting
+    num_partitions, per_partition = partition_plan(
+        num_partitions, q.shape[0], q.shape[1], block_tables.shape[1], k_pool.shape[1],
+        sliding_window, q.device)
     ext = load_cuda_extension()
     return ext.paged_decode(q.contiguous(), k_pool, v_pool, block_tables.contiguous(),
-                            seq_lens.contiguous(), float(scale), int(sliding_window or 0))
+                            seq_lens.contiguous(), float(scale), int(sliding_window or 0),
+                            num_partitions, per_partition)
 
 
 def nvcc_resource_report(arch: str = "sm_90", cu_file: Path = CU_FILE) -> str:

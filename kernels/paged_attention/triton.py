@@ -39,6 +39,30 @@ by exp(m_old - m_new) whenever a block raises the max. Scores never touch memory
         l     = l * a + rowsum(p);  acc = acc * a + p @ V;  m = m_new
     out = acc / l
 
+Split-K, for long contexts at small batches ("flash-decoding": Dao, Haziza, Massa and Sizov,
+"Flash-Decoding for long-context inference", 2023; vLLM's paged_attention_v2). One program per
+(sequence, KV head) makes B * Hkv programs: 256 in the example above, 32 for 4 sequences of 8192
+tokens, on a GPU of 132 SMs that needs several programs on each to keep enough loads in flight,
+while every program walks its blocks one after another. So we cut the blocks each sequence reads
+into P partitions of whole blocks (``split_k.py`` draws which) and give each partition its own
+program, grid (B, Hkv, P). A partition runs the same online softmax and stops before dividing:
+it writes its state m_p [G], l_p [G] and the unnormalized acc_p [G, D] to fp32 scratch. A
+second, small kernel combines them for each (sequence, query head):
+
+    M   = max_p m_p
+    out = sum_p exp(m_p - M) * acc_p  /  sum_p exp(m_p - M) * l_p
+
+the very rescaling the online softmax does between blocks, done once between partitions. A
+partition with nothing to read (past seq_len, or more partitions than blocks) reports m_p = -inf,
+l_p = 0 and gets weight 0 (we never compute exp(-inf - -inf)).
+
+Bytes: K and V are still read exactly once, split or not. What split-K adds is the scratch: each
+partition writes D + 2 fp32 values per query head and the combine reads them back,
+2 * B * H * P * (D + 2) * 4 bytes; for the example above with P = 5 (the chooser's pick there)
+that is 5.1 MiB on top of 256.5 MiB (2 %). ``split_k.scratch_traffic_bytes`` counts it,
+``split_k.choose_num_partitions`` picks P, and P = 1 is the one-pass kernel, still the choice
+for big batches of short contexts.
+
 The launchers check inputs with ``check_paged_inputs`` (shapes, dtypes, devices, table entries
 inside the pool), so a bad table is a ValueError, never an out-of-bounds read.
 
@@ -53,9 +77,13 @@ import triton
 import triton.language as tl
 
 from .reference import check_paged_inputs, check_write_inputs
+from .split_k import partition_plan
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E), and exp2 is the cheap instruction
 SCORE_BYTES = 4  # the naive path keeps scores and probabilities in fp32
+# the combine reads the partition states this many at a time: [16, D] fp32 tiles (8 KiB at
+# D = 128) stay in registers, and any P works, in ceil(P / 16) steps
+MAX_PART_TILE = 16
 
 
 def decode_traffic_bytes(batch, context_len, num_heads, num_kv_heads, head_dim, elem_bytes):
@@ -79,38 +107,30 @@ def decode_traffic_bytes(batch, context_len, num_heads, num_kv_heads, head_dim, 
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr, stride_sn, stride_ss,  # int8 pools: fp32 scales [NB, BS, Hkv]
-    scale_log2e, window,
-    stride_qb, stride_qh, stride_ob, stride_oh,
+def _first_visible(seq_len, window):
+    """The first position the query reads: seq_len - W under a sliding window (window = 0: none)."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
+def _attend_blocks(
+    q, k_pool_ptr, v_pool_ptr, table_ptr, k_scale_ptr, v_scale_ptr, stride_sn, stride_ss,
+    kv_head, seq_len, first, j_begin, j_end, scale_log2e,
     stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-    stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BS_PAD: tl.constexpr, INT8_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr, BS_PAD: tl.constexpr, INT8_KV: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    offs_g = tl.arange(0, GROUP_PAD)  # query heads kv_head * GROUP + g share this KV head
+    """The online softmax of q [G, D] over blocks j_begin .. j_end - 1 of one sequence (its table
+    row at ``table_ptr``): returns m [G] (log2 units), l [G] and the unnormalized acc [G, D]; with
+    no block to read, the empty state -inf, 0, 0."""
     offs_d = tl.arange(0, D_PAD)
     offs_s = tl.arange(0, BS_PAD)  # slots inside one block
-    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
-
-    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [G, D]
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # sliding window: the first position we read (window = 0: none)
-    first = tl.maximum(seq_len - window, 0)
-    first = tl.where(window > 0, first, 0)
-
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, in log2 units
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)  # running sum of p * V
-    # blocks before the window: skipped
-    for j in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
-        phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
+    for j in range(j_begin, j_end):
+        phys = tl.load(table_ptr + j).to(tl.int64)
         pos = j * BLOCK_SIZE + offs_s
         s_mask = (offs_s < BLOCK_SIZE) & (pos < seq_len) & (pos >= first)  # [BS]
         kv_mask = s_mask[:, None] & d_mask[None, :]
@@ -132,10 +152,128 @@ def _paged_decode_kernel(
             v = v * tl.load(v_scale_ptr + scale_rows, mask=s_mask, other=0.0)[:, None]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G, D]
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr, stride_sn, stride_ss,  # int8 pools: fp32 scales [NB, BS, Hkv]
+    scale_log2e, window,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BS_PAD: tl.constexpr, INT8_KV: tl.constexpr,
+):
+    """One pass: one program per (sequence, KV head) walks all the blocks it reads."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_g = tl.arange(0, GROUP_PAD)  # query heads kv_head * GROUP + g share this KV head
+    offs_d = tl.arange(0, D_PAD)
+    gd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    heads = kv_head * GROUP + offs_g
+
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_rows, mask=gd_mask, other=0.0).to(tl.float32)  # [G, D]
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = _first_visible(seq_len, window)
+    # blocks before the window: skipped
+    m_i, l_i, acc = _attend_blocks(
+        q, k_pool_ptr, v_pool_ptr, block_tables_ptr + seq * stride_bt, k_scale_ptr, v_scale_ptr,
+        stride_sn, stride_ss, kv_head, seq_len, first, first // BLOCK_SIZE,
+        tl.cdiv(seq_len, BLOCK_SIZE), scale_log2e,
+        stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+        GROUP_PAD, HEAD_DIM, BLOCK_SIZE, D_PAD, BS_PAD, INT8_KV)
 
     out = acc / l_i[:, None]
     out_rows = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+@triton.jit
+def _paged_decode_partition_kernel(
+    q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr,  # fp32 scratch: [B, H, P], [B, H, P], [B, H, P, D]
+    k_scale_ptr, v_scale_ptr, stride_sn, stride_ss,
+    scale_log2e, window, blocks_per_partition,
+    stride_qb, stride_qh, stride_mb, stride_mh, stride_ab, stride_ah, stride_ap,
+    stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, D_PAD: tl.constexpr, BS_PAD: tl.constexpr, INT8_KV: tl.constexpr,
+):
+    """Split-K, step 1: program (sequence, KV head, partition) attends to its partition's blocks
+    and writes the state m, l, acc for the combine (no division: other partitions are missing)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < GROUP
+    gd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    heads = kv_head * GROUP + offs_g
+
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_rows, mask=gd_mask, other=0.0).to(tl.float32)  # [G, D]
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = _first_visible(seq_len, window)
+    # partitions count from the first block read; one past the last block reads nothing
+    j_begin = first // BLOCK_SIZE + part * blocks_per_partition
+    j_end = tl.minimum(j_begin + blocks_per_partition, tl.cdiv(seq_len, BLOCK_SIZE))
+    m_i, l_i, acc = _attend_blocks(
+        q, k_pool_ptr, v_pool_ptr, block_tables_ptr + seq * stride_bt, k_scale_ptr, v_scale_ptr,
+        stride_sn, stride_ss, kv_head, seq_len, first, j_begin, j_end, scale_log2e,
+        stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+        GROUP_PAD, HEAD_DIM, BLOCK_SIZE, D_PAD, BS_PAD, INT8_KV)
+
+    state = seq * stride_mb + heads * stride_mh + part  # [G] slots of m and l
+    tl.store(part_max_ptr + state, m_i, mask=g_mask)
+    tl.store(part_sum_ptr + state, l_i, mask=g_mask)
+    acc_rows = part_acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap
+    tl.store(acc_rows + offs_d[None, :], acc, mask=gd_mask)
+
+
+@triton.jit
+def _combine_partitions_kernel(
+    part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, num_partitions,
+    stride_mb, stride_mh, stride_ab, stride_ah, stride_ap, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PART_TILE: tl.constexpr,
+):
+    """Split-K, step 2: program (sequence, query head) combines the P partition states,
+    PART_TILE at a time: out = sum_p w_p acc_p / sum_p w_p l_p with w_p = exp2(m_p - max m)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_p = tl.arange(0, PART_TILE)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    state = seq * stride_mb + head * stride_mh  # partition 0's m and l
+    acc_row = part_acc_ptr + seq * stride_ab + head * stride_ah
+
+    m_tile = tl.full([PART_TILE], float("-inf"), tl.float32)  # 1. M = the largest m_p
+    for p0 in range(0, num_partitions, PART_TILE):
+        parts = p0 + offs_p
+        m_p = tl.load(part_max_ptr + state + parts, mask=parts < num_partitions,
+                      other=float("-inf"))
+        m_tile = tl.maximum(m_tile, m_p)
+    m_all = tl.max(m_tile, axis=0)
+
+    l_tile = tl.zeros([PART_TILE], tl.float32)  # 2. rescale every partition to M and add
+    acc = tl.zeros([D_PAD], tl.float32)
+    for p0 in range(0, num_partitions, PART_TILE):
+        parts = p0 + offs_p
+        p_mask = parts < num_partitions
+        m_p = tl.load(part_max_ptr + state + parts, mask=p_mask, other=float("-inf"))
+        # an empty partition (m_p = -inf) weighs 0; never exp2(-inf - -inf) = NaN
+        w = tl.where(m_p > float("-inf"), tl.exp2(m_p - m_all), 0.0)  # [PART_TILE]
+        l_tile += w * tl.load(part_sum_ptr + state + parts, mask=p_mask, other=0.0)
+        a_rows = acc_row + parts[:, None] * stride_ap + offs_d[None, :]
+        a = tl.load(a_rows, mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # [PART_TILE, D]
+        acc += tl.sum(w[:, None] * a, axis=0)
+
+    out = acc / tl.sum(l_tile, axis=0)
+    out_row = out_ptr + seq * stride_ob + head * stride_oh + offs_d
+    tl.store(out_row, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -172,38 +310,70 @@ def _require_unit_stride(name: str, t: torch.Tensor) -> None:
 
 
 def paged_decode_attention_triton(q, k_pool, v_pool, block_tables, seq_lens, scale: float,
-                                  sliding_window: int | None = None, scales=None):
+                                  sliding_window: int | None = None, scales=None,
+                                  num_partitions: int | None = None):
     """Same contract as ``paged_decode_attention_ref``: q [B, H, D] -> out [B, H, D]; int8 pools are
     dequantized in registers, block by block (the pool is read as int8: a quarter of fp32's
-    bytes)."""
+    bytes).
+
+    ``num_partitions``: 1 runs the one-pass kernel, P > 1 split-K with P partitions of the blocks
+    each sequence reads, None lets ``split_k.choose_num_partitions`` pick."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, seq_lens, scale, sliding_window, scales)
     _require_unit_stride("k_pool", k_pool)
     _require_unit_stride("v_pool", v_pool)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pool.shape
+    num_partitions, per_partition = partition_plan(
+        num_partitions, batch, num_kv_heads, block_tables.shape[1], block_size, sliding_window,
+        q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    batch, num_heads, head_dim = q.shape
-    k_scale, v_scale = ((t.contiguous() for t in scales) if scales is not None
-                        else (seq_lens, seq_lens))  # unused
-    _, block_size, num_kv_heads, _ = k_pool.shape
-    group = num_heads // num_kv_heads
     if batch == 0:
         return out
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, k_pool, v_pool, block_tables, seq_lens, out,
-        k_scale, v_scale, k_scale.stride(0) if scales is not None else 0,
-        k_scale.stride(1) if scales is not None else 0,
-        scale * LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        GROUP_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(head_dim),
-        BS_PAD=triton.next_power_of_2(block_size), INT8_KV=scales is not None,
-    )
+    k_scale, v_scale = ((t.contiguous() for t in scales) if scales is not None
+                        else (seq_lens, seq_lens))  # unused
+    group = num_heads // num_kv_heads
+    common = dict(
+        k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, seq_lens=seq_lens,
+        int8=(k_scale, v_scale, k_scale.stride(0) if scales is not None else 0,
+              k_scale.stride(1) if scales is not None else 0),
+        scale=(scale * LOG2E, sliding_window or 0),
+        strides=(k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                 v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0)),
+        shapes=dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                    GROUP_PAD=triton.next_power_of_2(group),
+                    D_PAD=triton.next_power_of_2(head_dim),
+                    BS_PAD=triton.next_power_of_2(block_size), INT8_KV=scales is not None))
+    if num_partitions == 1:
+        _paged_decode_kernel[(batch, num_kv_heads)](
+            q, k_pool, v_pool, block_tables, seq_lens, out, *common["int8"], *common["scale"],
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common["strides"],
+            **common["shapes"])
+    else:
+        _launch_split_k(q, out, num_partitions, per_partition, **common)
     return out
+
+
+def _launch_split_k(q, out, num_partitions, per_partition, k_pool, v_pool, block_tables,
+                    seq_lens, int8, scale, strides, shapes) -> None:
+    """Split-K: the partitions write fp32 states [B, H, P] (m, l) and [B, H, P, D] (acc), then
+    the combine turns them into ``out``."""
+    batch, num_heads, head_dim = q.shape
+    part_max = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(batch, num_heads, num_partitions, head_dim, dtype=torch.float32,
+                           device=q.device)
+    scratch = (part_max.stride(0), part_max.stride(1),
+               part_acc.stride(0), part_acc.stride(1), part_acc.stride(2))
+    _paged_decode_partition_kernel[(batch, k_pool.shape[2], num_partitions)](
+        q, k_pool, v_pool, block_tables, seq_lens, part_max, part_sum, part_acc, *int8, *scale,
+        per_partition, q.stride(0), q.stride(1), *scratch, *strides, **shapes)
+    _combine_partitions_kernel[(batch, num_heads)](
+        part_max, part_sum, part_acc, out, num_partitions, *scratch, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=shapes["D_PAD"],
+        PART_TILE=min(MAX_PART_TILE, triton.next_power_of_2(num_partitions)))
 
 
 def write_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
