@@ -15,7 +15,8 @@ wrapped; a CPU runs them synchronously, so a stopwatch is honest):
 and set each against the two floors a part cannot beat on this machine:
 
     bytes floor    the bytes it must read (weights once per step; each sequence's K and V) / the measured
-                   read bandwidth (a sum over a 1 GiB fp32 tensor, the same threads)
+                   read bandwidth (a sum over a 1 GiB fp32 tensor, the same threads; the better of a probe
+                   before the timed steps and one after them)
     compute floor  its FLOPs / the measured GEMM peak (oneDNN's packed fp32 GEMM at 4,096 rows:
                    benchmarks/vs_vllm.py's matmul_peak_gflops)
 
@@ -146,8 +147,8 @@ def main(argv=None) -> None:
     llm = LLM(REAL_MODEL, num_threads=args.threads, max_num_seqs=max(args.batch, 1), enable_prefix_caching=False)
     engine, cfg = llm.engine, llm.engine.model.config
     # vs_vllm.py's peak: oneDNN's packed GEMM of [4096, E] x the gate/up weight, the same threads
-    bandwidth, peak = read_bandwidth_gbs(args.threads), matmul_peak_gflops(real_model_folder(), "float32",
-                                                                           args.threads)
+    bandwidth_before = read_bandwidth_gbs(args.threads)
+    peak = matmul_peak_gflops(real_model_folder(), "float32", args.threads)
     fill(engine, cfg.vocab_size, args.batch)
     watch, steps = Stopwatch(), []
     instrument(engine, watch)
@@ -157,12 +158,17 @@ def main(argv=None) -> None:
         spent = {k: watch.seconds[k] - before.get(k, 0.0) for k in watch.seconds}
         keys = sum(r.end for r in report.scheduled if r.phase == "decode")  # every key a query reads
         steps.append((report.time_s.total, spent, keys))
+    # a shared VM's bandwidth drifts by 1.5x within minutes: the floor takes the better of a probe before the
+    # steps and one after them (both in Settings)
+    bandwidth_after = read_bandwidth_gbs(args.threads)
+    bandwidth = max(bandwidth_before, bandwidth_after)
     rows = anatomy_rows(steps, cfg, args.batch, bandwidth, peak)
     print(markdown_table(rows), flush=True)
     step_ms = statistics.median(1e3 * s for s, _, _ in steps)
     settings = dict(model=REAL_MODEL, dtype="float32", batch=args.batch, prompt_lengths=list(PROMPT_LENGTHS),
                     timed_steps=args.steps, threads=args.threads, step_ms=round(step_ms, 1),
                     tok_s_decode=round(args.batch / step_ms * 1e3, 1), read_bandwidth_gbs=round(bandwidth, 1),
+                    read_bandwidth_before_after_gbs=[round(bandwidth_before, 1), round(bandwidth_after, 1)],
                     gemm_peak_gflops=round(peak, 1), speed_choices=dict(engine.acceleration.choices))
     name = "step_anatomy" if args.batch == BATCH else f"step_anatomy_b{args.batch}"
     write_results(tagged(name, args.tag), rows, settings, notes=__doc__.split("\n\n")[1] + "\n\n" +

@@ -17,7 +17,8 @@ measure instead, the way autotuners do (Triton's `autotune`, oneDNN's own dispat
                      PREFILL_LENGTHS up to which it beat torch's fused attention
 
 Each answer is measured once per machine (CPU model + instruction flags + torch version + threads,
-and a digest of the raced C kernels' sources: an edited kernel is measured again) and kept as a small JSON file beside the compiled kernels:
+and a digest of the raced C kernels' sources: an edited kernel is measured again) and kept as a
+small JSON file beside the compiled kernels:
 
     ~/.cache/servelab/tuning/<machine hash>/machine.json                     what the hash is of
     ~/.cache/servelab/tuning/<machine hash>/linear-float32-K1024xN4096.json  an answer, its times
