@@ -3,7 +3,7 @@
 # device, tests/test_engine_gpu.py, and the CUDA/Triton kernels against their references), (b) the kernel benchmark
 # (benchmarks/gpu_kernels.py), (c) the engine end to end (benchmarks/gpu_engine.py). Each step has its own time
 # limit, a failed or timed-out step does not stop the next, and a summary of what passed and failed ends the run.
-# About 6-8 minutes on an H200 (the first step compiles the three CUDA extensions; the later steps reuse them).
+# At most 540 s by its limits, not yet timed on a GPU (the first step compiles the three CUDA extensions; the later steps reuse them).
 #
 #   bash benchmarks/gpu_all.sh [OUT_DIR]     # gpu_kernels.{json,md}, gpu_engine.{json,md} and gpu_all.log in
 #                                            # OUT_DIR (default benchmarks/results); exit status 0 iff every step passed
