@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results  # noqa: E402
+from benchmarks.gpu_kernels import paged_inputs  # noqa: E402
 from benchmarks.vs_vllm import compare_tokens  # noqa: E402
 from engine.threads import default_num_threads, torch_threads  # noqa: E402
 
@@ -295,20 +296,6 @@ def datasheet_bandwidth(device) -> float | None:
     return next((bw for key, bw in DATASHEET_HBM_BYTES_S.items() if key in name), None)
 
 
-def paged_decode_inputs(config, batch: int, context: int, dtype, device) -> dict:
-    """Random K/V for `batch` sequences of `context` tokens in shuffled blocks of one pool, the model's heads."""
-    g = torch.Generator().manual_seed(SEED)
-    H, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    k_pool = torch.randn(num_blocks, BLOCK_SIZE, Hkv, D, generator=g).to(device, dtype)
-    v_pool = torch.randn(num_blocks, BLOCK_SIZE, Hkv, D, generator=g).to(device, dtype)
-    tables = torch.randperm(num_blocks, generator=g).reshape(batch, blocks_per_seq).to(device, torch.int32)
-    q = torch.randn(batch, H, D, generator=g).to(device, dtype)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return dict(q=q, k_pool=k_pool, v_pool=v_pool, block_tables=tables, seq_lens=lens, scale=D ** -0.5)
-
-
 def kernel_rows(config, label: str, dtype, backends: list[str], contexts: dict[str, int], batch: int,
                 bandwidth: dict, device) -> list[dict]:
     """paged_decode_attention alone, per backend the engine ran, on each context: ms, GB/s, share of the peaks."""
@@ -318,7 +305,8 @@ def kernel_rows(config, label: str, dtype, backends: list[str], contexts: dict[s
     H, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     rows = []
     for what, context in contexts.items():
-        inputs = paged_decode_inputs(config, batch, context, dtype, device)
+        inputs = paged_inputs(dtype, device, batch, context, heads=H, kv_heads=Hkv, head_dim=D,
+                              block=BLOCK_SIZE, seed=SEED)
         moved = decode_traffic_bytes(batch, context, H, Hkv, D, inputs["q"].element_size())["fused"]
         expected = paged_decode_attention(**inputs, backend=BASELINE).float()
         for backend in backends:

@@ -37,17 +37,19 @@ GEMV_N = GEMV_K = 4096  # a 7B-class projection at batch 1
 GROUP = 128
 
 
-def paged_inputs(dtype, device, batch, context):
-    """Random K/V for `batch` sequences of `context` tokens in shuffled blocks of one pool."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    blocks_per_seq = context // BLOCK
+def paged_inputs(dtype, device, batch, context, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                 block=BLOCK, seed=0):
+    """Random K/V for `batch` sequences of `context` tokens in shuffled blocks of one pool (the last block of
+    each sequence partly filled where `context` is not a multiple of `block`), and one query per sequence."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    blocks_per_seq = math.ceil(context / block)
     num_blocks = batch * blocks_per_seq
-    k_pool = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
-    v_pool = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
+    k_pool = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(device, dtype)
+    v_pool = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(device, dtype)
     tables = torch.randperm(num_blocks, generator=g).reshape(batch, blocks_per_seq).to(device, torch.int32)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(device, dtype)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(device, dtype)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return dict(q=q, k_pool=k_pool, v_pool=v_pool, block_tables=tables, seq_lens=lens, scale=HEAD_DIM ** -0.5)
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, block_tables=tables, seq_lens=lens, scale=head_dim ** -0.5)
 
 
 def bench(fn) -> float:
