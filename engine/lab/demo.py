@@ -166,7 +166,8 @@ def format_step(report: StepReport, engine: LLMEngine, labels: dict[str, str]) -
     work = (" + ".join(([f"{decodes} decode{'s' * (decodes != 1)}"] if decodes else []) + prefills)
             or "idle")
     ms = 1e3 * (report.end_time - report.start_time)
-    head = f"── step {report.step} ─ {work} = {report.num_tokens} tokens ─ {ms:.0f} ms "
+    tokens = f"{report.num_tokens} token{'s' * (report.num_tokens != 1)}"
+    head = f"── step {report.step} ─ {work} = {tokens} ─ {ms:.0f} ms "
     b, q = report.blocks, report.queues
     swapped = f"   swapped {len(q.swapped)}" if q.swapped else ""
     lines = [head.ljust(LINE_WIDTH, "─"),
@@ -320,14 +321,14 @@ def real_model_demo(name: str = REAL_MODEL, speed: str | None = None) -> None:
         answer = out.outputs[0]
         print(f"[user] {question}\n    [assistant] {answer.text.strip()!r}")
         print(f"    {len(answer.token_ids)} tokens, TTFT {out.metrics.ttft_s * 1e3:.0f} ms, "
-              f"{llm.engine.num_threads} torch thread(s)\n")
+              f"{llm.engine.num_threads} torch thread{'s' * (llm.engine.num_threads != 1)}\n")
 
 
 def run_demo(args) -> None:
     with torch_threads(DEMO_TORCH_THREADS):
         correct = task_demo(args.model)
     print(f"{correct}/{len(tasks.TASKS) - 1} checkable answers correct "
-          f"({DEMO_TORCH_THREADS} torch thread).\n")
+          f"({DEMO_TORCH_THREADS} torch thread{'s' * (DEMO_TORCH_THREADS != 1)}).\n")
     speed = getattr(args, "speed", None)
     real_model_demo(speed=speed)
     step_through_demo(args.model, args.steps, pause=not args.no_pause, speed=speed,
