@@ -99,6 +99,9 @@ class LLM:
         if isinstance(model, LlamaModel):
             config = engine_config("custom", dtype, speed, **options)
             self.engine = LLMEngine(model, tokenizer, config)
+        elif tokenizer is not None:  # a name or folder brings its own: never ignore one silently
+            raise ValueError(f"tokenizer: pass one only with a LlamaModel; {model!r} loads its "
+                             f"own (got {tokenizer!r}; dtype is the third argument, or dtype=...)")
         else:
             self.engine = LLMEngine.from_pretrained(model, dtype, speed=speed, **options)
 

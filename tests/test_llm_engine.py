@@ -5,6 +5,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from engine.companions.naive import generate_naive
 from engine.llm import LLM
@@ -149,6 +150,13 @@ def test_llm_generate_returns_n_completions_per_prompt(model, workload, expected
 
 
 # ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_llm_refuses_a_tokenizer_beside_a_model_name_instead_of_ignoring_it():
+    # LLM("tinylab", "bfloat16") once ran in fp32 with the string silently dropped as a tokenizer
+    with pytest.raises(ValueError, match="tokenizer: pass one only with a LlamaModel.*'bfloat16'"):
+        LLM("tinylab", "bfloat16")
+    assert LLM("tinylab", dtype="bfloat16").engine.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 def test_a_prompt_longer_than_the_context_is_rejected_and_nothing_is_allocated(model):
