@@ -198,6 +198,9 @@ def as_prompt_list(prompts) -> list:
 def as_params_list(params, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
+    if not isinstance(params, Sequence) or isinstance(params, str):  # a dict would give its keys
+        raise TypeError(f"params must be a SamplingParams, a list of them (one per prompt) or "
+                        f"None, got {type(params).__name__}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"params: got {len(params)} SamplingParams for {n} prompts; "

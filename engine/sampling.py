@@ -34,6 +34,7 @@ same arithmetic with batched tensor ops.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -102,6 +103,17 @@ class StructuredOutputsParams:
         return json_module.dumps([self.kind, getattr(self, self.kind)], sort_keys=True)
 
 
+INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+OPTIONAL_FIELDS = ("logprobs", "prompt_logprobs")  # None: not asked for
+REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty")
+
+
+def _is_int(value: object) -> bool:
+    """A Python, numpy or torch integer scalar; not a bool, not a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} is not allowed: "
@@ -136,6 +148,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # chapter 13: a grammar's mask
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.logits_processors = list(self.logits_processors or [])
         _require(all(callable(f) for f in self.logits_processors), "logits_processors",
@@ -173,6 +186,26 @@ class SamplingParams:
                  or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs", self.structured_outputs,
                  "None or a StructuredOutputsParams")
+
+    def _check_types(self) -> None:
+        """Each field of the right kind before any range check, so that `max_tokens=5.5`,
+        `temperature="0.5"` or `stop=5` is refused by name (a bool is not a number here). Token ids
+        (stop_token_ids) are checked against the model's vocabulary when the request is added."""
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            _require(value is None if name in OPTIONAL_FIELDS and value is None else _is_int(value),
+                     name, value, "an integer" + (" or None" if name in OPTIONAL_FIELDS else ""))
+        for name in REAL_FIELDS:
+            value = getattr(self, name)
+            _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, value,
+                     "a number")
+        stop = self.stop
+        _require(stop is None or isinstance(stop, str)
+                 or (isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop)),
+                 "stop", stop, "a string, a list of strings, or None")
+        _require(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+                 "stop_token_ids", self.stop_token_ids, "a list of token ids")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "True or False")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:

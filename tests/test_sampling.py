@@ -356,12 +356,41 @@ def test_min_tokens_holds_back_every_stop_condition():
     ("min_tokens", 17, "[0, max_tokens=16]"),
     ("stop", [""], "non-empty"),
     ("logprobs", -1, ">= 0"),
+    # the wrong kind of value, refused by name before any range check
+    ("max_tokens", 5.5, "an integer"),
+    ("max_tokens", 5.0, "an integer"),  # whole floats too: max_tokens counts tokens
+    ("max_tokens", True, "an integer"),  # a bool is not a count
+    ("n", 2.0, "an integer"),
+    ("top_k", 4.0, "an integer"),
+    ("logprobs", 2.5, "an integer or None"),
+    ("temperature", "0.5", "a number"),
+    ("top_p", None, "a number"),
+    ("repetition_penalty", False, "a number"),
+    ("stop", 5, "a string, a list of strings"),
+    ("stop", ["a", 5], "a string, a list of strings"),
+    ("stop_token_ids", 7, "a list of token ids"),  # each id is checked against the vocabulary on add
+    ("ignore_eos", 1, "True or False"),
 ])
 def test_every_bad_param_is_refused_with_its_name_value_and_range(field, value, allowed):
     with pytest.raises(ValueError) as err:
         SamplingParams(**{field: value})
     message = str(err.value)
     assert f"{field}={value!r}" in message and allowed in message, message
+
+
+def test_numpy_scalars_are_numbers_and_counts():
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.int32(3))
+    assert params.max_tokens == 5 and params.top_k == 3
+
+
+def test_params_of_the_wrong_kind_are_refused_by_their_type_not_their_keys():
+    from engine.llm import as_params_list
+
+    with pytest.raises(TypeError, match="params must be a SamplingParams.*got dict"):
+        as_params_list({"max_tokens": 2}, 1)
+    assert as_params_list((SamplingParams(), SamplingParams(n=2)), 2)[1].n == 2
 
 
 def test_plain_greedy_rows_in_one_argmax_equal_row_by_row_sampling():
