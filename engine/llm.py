@@ -25,6 +25,8 @@ from engine.sampling import SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from engine.trace import StepReport
 
+DEFAULT_DTYPE = "float32"  # what a model loaded by name or folder computes in, unless told
+
 
 @dataclass
 class CompletionOutput:
@@ -90,20 +92,25 @@ class RequestOutput:
 class LLM:
     """A model plus an `LLMEngine`. `model`: a bundled name ("tinylab"), a local Hugging Face-format
     folder, or a `LlamaModel` (then pass its `tokenizer`, or None to work with token ids).
+    `dtype`: the weights' (a name or folder loads them as DEFAULT_DTYPE unless told; a LlamaModel
+    keeps its own, and a dtype that disagrees with it is refused).
     `speed`: "reference" (the readable path only) or "fast" (the fast wing; the default,
     DEFAULT_SPEED). `**options` go to `engine_config` (scheduler and cache fields, e.g.
     max_num_seqs=8, policy="static")."""
 
     def __init__(self, model: str | LlamaModel = "tinylab", tokenizer: Tokenizer | None = None,
-                 dtype: str = "float32", speed: str | None = None, **options):
+                 dtype: str | None = None, speed: str | None = None, **options):
         if isinstance(model, LlamaModel):
+            # None: the weights' own dtype (the engine refuses a dtype that disagrees with them)
+            dtype = dtype or str(model.embed_tokens.weight.dtype).removeprefix("torch.")
             config = engine_config("custom", dtype, speed, **options)
             self.engine = LLMEngine(model, tokenizer, config)
         elif tokenizer is not None:  # a name or folder brings its own: never ignore one silently
             raise ValueError(f"tokenizer: pass one only with a LlamaModel; {model!r} loads its "
                              f"own (got {tokenizer!r}; dtype is the third argument, or dtype=...)")
         else:
-            self.engine = LLMEngine.from_pretrained(model, dtype, speed=speed, **options)
+            self.engine = LLMEngine.from_pretrained(model, dtype or DEFAULT_DTYPE, speed=speed,
+                                                    **options)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -118,6 +118,11 @@ class LLMEngine:
         self.sliding_window = config.cache.sliding_window or cfg.sliding_window
         self.max_model_len = cfg.max_position_embeddings
         cache, weight = config.cache, model.embed_tokens.weight
+        if getattr(torch, config.dtype) != weight.dtype:  # the trace records config.dtype
+            weights = str(weight.dtype).removeprefix("torch.")
+            raise ValueError(f"dtype: the config says {config.dtype!r} but the model's weights are "
+                             f"{weights}; pass dtype={weights!r}, or convert the model first "
+                             f"(model.to(torch.{config.dtype}))")
         # chapter 07: KV int8
         kv_dtype = torch.int8 if cache.kv_cache_dtype == "int8" else weight.dtype
         # sized by bytes

@@ -1,6 +1,7 @@
 """Chapter 05: the continuous-batching engine gives exactly the naive loop's greedy tokens, under every
 policy, with chunked prefill, and through preemptions; bad input changes nothing; traces round-trip."""
 
+import copy
 import json
 import warnings
 
@@ -157,6 +158,16 @@ def test_llm_refuses_a_tokenizer_beside_a_model_name_instead_of_ignoring_it():
     with pytest.raises(ValueError, match="tokenizer: pass one only with a LlamaModel.*'bfloat16'"):
         LLM("tinylab", "bfloat16")
     assert LLM("tinylab", dtype="bfloat16").engine.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_a_dtype_that_disagrees_with_the_weights_is_refused_not_recorded(model):
+    # the trace records config.dtype: an fp32 engine over bf16 weights would have said the wrong thing
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype: the config says 'float32' but the model's weights are bfloat16"):
+        LLMEngine(half, None, engine_config())
+    with pytest.raises(ValueError, match="pass dtype='bfloat16'"):
+        LLM(half, None, dtype="float32")
+    assert LLM(half, None).engine.config.dtype == "bfloat16"  # None: the weights' own
 
 
 def test_a_prompt_longer_than_the_context_is_rejected_and_nothing_is_allocated(model):
