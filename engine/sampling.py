@@ -110,7 +110,7 @@ REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_
 
 
 def _is_int(value: object) -> bool:
-    """A Python, numpy or torch integer scalar; not a bool, not a float that happens to be whole."""
+    """A Python or numpy integer; not a bool, not a float that happens to be whole."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -193,8 +193,8 @@ class SamplingParams:
         (stop_token_ids) are checked against the model's vocabulary when the request is added."""
         for name in INT_FIELDS:
             value = getattr(self, name)
-            _require(value is None if name in OPTIONAL_FIELDS and value is None else _is_int(value),
-                     name, value, "an integer" + (" or None" if name in OPTIONAL_FIELDS else ""))
+            _require((name in OPTIONAL_FIELDS and value is None) or _is_int(value), name, value,
+                     "an integer" + (" or None" if name in OPTIONAL_FIELDS else ""))
         for name in REAL_FIELDS:
             value = getattr(self, name)
             _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, value,
