@@ -116,11 +116,12 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | dict | Sequence[str | dict | Sequence[int]] | Sequence[int],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (one text, a list of texts, one list of token ids, or a list of
-        them) with one SamplingParams for all or one per prompt; outputs in the prompts' order.
+        them; vLLM's {"prompt": text} and {"prompt_token_ids": ids} dicts too) with one
+        SamplingParams for all or one per prompt; outputs in the prompts' order.
 
         A bad prompt raises (naming prompts[i]) before anything runs, and the call changes nothing.
         A step that fails does not end the call: we warn once per failed step, its requests come
@@ -156,6 +157,9 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (for its chat template); "
                              "this LLM has none")
+        if isinstance(messages, (str, dict)):  # a str would be read letter by letter
+            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts (or a list "
+                             f"of such lists), got a {type(messages).__name__}: {messages!r:.60}")
         if not messages:
             raise ValueError("messages is empty; pass [{'role': 'user', 'content': ...}] "
                              "or a list of such lists")
@@ -193,13 +197,30 @@ def _step_or_warn(engine: LLMEngine) -> StepReport:
         return report
 
 
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
+
+
 def as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
+    """The prompts of one generate call as a list of texts and token-id lists: one text, one list
+    of ids, vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}), or a list of any
+    of them."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if any(isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0 for t in prompts):
         return [prompts]  # one prompt given as token ids (the engine checks every one of them)
-    return prompts
+    return [_from_prompt_dict(p, i) if isinstance(p, dict) else p for i, p in enumerate(prompts)]
+
+
+def _from_prompt_dict(prompt: dict, i: int):
+    """vLLM's {"prompt": text} or {"prompt_token_ids": ids}; any other key is refused by name
+    (a dict read as a sequence would have been its keys)."""
+    others = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if others or len(prompt) != 1:
+        raise ValueError(f"prompts[{i}]: a prompt dict holds exactly one of "
+                         f"{', '.join(PROMPT_DICT_KEYS)}; got keys {sorted(prompt) or 'none'}"
+                         + (f" ({', '.join(others)} not supported)" if others else ""))
+    return next(iter(prompt.values()))
 
 
 def as_params_list(params, n: int) -> list[SamplingParams]:

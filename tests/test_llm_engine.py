@@ -170,6 +170,28 @@ def test_a_dtype_that_disagrees_with_the_weights_is_refused_not_recorded(model):
     assert LLM(half, None).engine.config.dtype == "bfloat16"  # None: the weights' own
 
 
+def test_vllm_prompt_dicts_give_the_same_tokens_as_plain_prompts_and_other_keys_are_refused(model):
+    llm, params = LLM(model), SamplingParams(temperature=0.0, max_tokens=4)
+    plain = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt_token_ids": [5, 6, 7]}, [8, 9]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    (one,) = llm.generate({"prompt_token_ids": [8, 9]}, params, use_tqdm=False)
+    assert one.outputs[0].token_ids == plain[1].outputs[0].token_ids
+    # a dict read as a sequence would have been the prompt "prompt": refused, and nothing runs
+    for bad, words in (({"prompt_token_ids": [5], "multi_modal_data": {}}, "multi_modal_data not supported"),
+                       ({"prompt": "a", "prompt_token_ids": [5]}, "exactly one of prompt, prompt_token_ids"),
+                       ({}, "got keys none")):
+        with pytest.raises(ValueError, match=words):
+            llm.generate([[5], bad], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.usage().used_blocks == 0
+
+
+def test_chat_refuses_a_bare_string_instead_of_reading_it_letter_by_letter():
+    llm = LLM("tinylab")
+    with pytest.raises(ValueError, match="messages must be a list.*got a str: 'hello'"):
+        llm.chat("hello", use_tqdm=False)
+
+
 def test_a_prompt_longer_than_the_context_is_rejected_and_nothing_is_allocated(model):
     engine = LLMEngine(model, None, engine_config(num_blocks=64, block_size=4))
     engine.add_request([5] * 10, SamplingParams(max_tokens=4))
