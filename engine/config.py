@@ -518,19 +518,22 @@ class SchedulerConfig:
                  f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
         _require(self.preemption_mode in PREEMPTION_MODES,
                  f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+        _require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
                  f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        chunked = self.enable_chunked_prefill
+        _require(isinstance(chunked, bool),
+                 f"enable_chunked_prefill must be True or False, got {chunked!r}")
         for name in ("max_num_batched_tokens", "max_prefill_chunk_tokens",
                      "default_tenant_max_running"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and value >= 1),
+            _require(value is None or (_is_int(value) and value >= 1),
                      f"{name} must be None or an integer >= 1, got {value!r}")
         if self.max_prefill_chunk_tokens is not None:
             _require(self.enable_chunked_prefill,
                      f"max_prefill_chunk_tokens={self.max_prefill_chunk_tokens} needs "
                      "enable_chunked_prefill=True")
         for tenant, quota in self.tenant_max_running.items():
-            _require(isinstance(quota, int) and quota >= 1,
+            _require(_is_int(quota) and quota >= 1,
                      f"tenant_max_running[{tenant!r}] must be an integer >= 1, got {quota!r}")
 
     def tenant_quota(self, tenant: str | None) -> int | None:

@@ -195,6 +195,9 @@ def test_finishing_a_request_frees_its_gpu_and_cpu_blocks_at_once():
 @pytest.mark.parametrize("field, value", [
     ("policy", "round-robin"), ("max_num_seqs", 0), ("max_num_batched_tokens", -1),
     ("preemption_mode", "drop"), ("default_tenant_max_running", 0), ("max_prefill_chunk_tokens", 8),
+    # a bool is not a count, and a switch is True or False
+    ("max_num_seqs", True), ("max_num_batched_tokens", True), ("enable_chunked_prefill", 1),
+    ("tenant_max_running", {"a": True}),
 ])
 def test_an_invalid_scheduler_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
