@@ -26,6 +26,12 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
+def is_int(value) -> bool:
+    """A Python int; not a bool (True is not a count), not a float that happens to be whole. Every
+    integer option of the configs and of SamplingParams is checked with it."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -62,7 +68,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
+            _require(is_int(value) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}")
         if self.head_dim is None:
             _require(self.hidden_size % self.num_attention_heads == 0,
@@ -232,10 +238,6 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 * 2**30
 KVCACHE_SPACE_ENV = "SERVELAB_KVCACHE_SPACE"
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 KV_CACHE_DTYPES = ("auto", "int8")  # vLLM's option name; "auto" stores K/V in the model's dtype
 # Which free-but-cached block the prefix cache gives up first when the device needs a block
 # (engine/kv/evictor.py): "lru" the least recently used (vLLM's), "fifo" the one cached first,
@@ -271,7 +273,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_prefix_caching, bool),
                  f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        _require(_is_int(self.block_size) and self.block_size >= 1
+        _require(is_int(self.block_size) and self.block_size >= 1
                  and math.log2(self.block_size).is_integer(),
                  f"block_size must be a power-of-two integer (1, 2, 4, 8, 16, ...), "
                  f"got {self.block_size!r}")
@@ -281,7 +283,7 @@ class CacheConfig:
                                       ("sliding_window", 1, "no window"),
                                       ("kv_offload_blocks", 0, "no host tier")):
             value = getattr(self, name)
-            _require(value is None or (_is_int(value) and value >= low),
+            _require(value is None or (is_int(value) and value >= low),
                      f"{name} must be an integer >= {low} or None ({none_means}), got {value!r}")
         _require(self.eviction_policy in EVICTION_POLICIES,
                  f"eviction_policy must be one of {EVICTION_POLICIES}, "
@@ -402,11 +404,11 @@ class SpeculativeConfig:
                  f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
                  f"got {self.method!r}")
         k = self.num_speculative_tokens
-        _require(_is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+        _require(is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
                  f"speculative_config.num_speculative_tokens must be an integer in "
                  f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        _require(_is_int(lo) and _is_int(hi) and 1 <= lo <= hi,
+        _require(is_int(lo) and is_int(hi) and 1 <= lo <= hi,
                  f"speculative_config.prompt_lookup_min / prompt_lookup_max must be integers with "
                  f"1 <= min <= max, got {lo!r} / {hi!r}")
         _require(self.quantization in DRAFT_QUANTIZATIONS,
@@ -414,7 +416,7 @@ class SpeculativeConfig:
                  f"got {self.quantization!r}")
         for name in ("disable_by_batch_size", "max_verify_rows"):
             value = getattr(self, name)
-            _require(value is None or (_is_int(value) and value >= 1),
+            _require(value is None or (is_int(value) and value >= 1),
                      f"speculative_config.{name} must be None or an integer >= 1, got {value!r}")
         self._check_method_fields()
 
@@ -431,7 +433,7 @@ class SpeculativeConfig:
                      f"speculative_config.{name}={getattr(self, name)!r} belongs to "
                      f"method={method!r}, not {self.method!r}: drop it")
         if self.method == "layer_skip":
-            _require(_is_int(self.num_draft_layers) and self.num_draft_layers >= 1,
+            _require(is_int(self.num_draft_layers) and self.num_draft_layers >= 1,
                      f"speculative_config.num_draft_layers must be an integer >= 1, "
                      f"got {self.num_draft_layers!r}")
 
@@ -518,7 +520,7 @@ class SchedulerConfig:
                  f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
         _require(self.preemption_mode in PREEMPTION_MODES,
                  f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+        _require(is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
                  f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         chunked = self.enable_chunked_prefill
         _require(isinstance(chunked, bool),
@@ -526,14 +528,14 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_prefill_chunk_tokens",
                      "default_tenant_max_running"):
             value = getattr(self, name)
-            _require(value is None or (_is_int(value) and value >= 1),
+            _require(value is None or (is_int(value) and value >= 1),
                      f"{name} must be None or an integer >= 1, got {value!r}")
         if self.max_prefill_chunk_tokens is not None:
             _require(self.enable_chunked_prefill,
                      f"max_prefill_chunk_tokens={self.max_prefill_chunk_tokens} needs "
                      "enable_chunked_prefill=True")
         for tenant, quota in self.tenant_max_running.items():
-            _require(_is_int(quota) and quota >= 1,
+            _require(is_int(quota) and quota >= 1,
                      f"tenant_max_running[{tenant!r}] must be an integer >= 1, got {quota!r}")
 
     def tenant_quota(self, tenant: str | None) -> int | None:
@@ -570,14 +572,14 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
-            _require(_is_int(value) and value >= 1,
+            _require(is_int(value) and value >= 1,
                      f"{name} must be an integer >= 1, got {value!r}")
         _require(self.tensor_parallel_size == 1 or self.pipeline_parallel_size == 1,
                  f"tensor_parallel_size={self.tensor_parallel_size} and pipeline_parallel_size="
                  f"{self.pipeline_parallel_size}: this engine splits one way at a time; "
                  "set one of them to 1")
         _require(self.num_micro_batches is None
-                 or (_is_int(self.num_micro_batches) and self.num_micro_batches >= 1),
+                 or (is_int(self.num_micro_batches) and self.num_micro_batches >= 1),
                  f"num_micro_batches must be None (as many as stages) or an integer >= 1, "
                  f"got {self.num_micro_batches!r}")
         timeout = self.collective_timeout_s

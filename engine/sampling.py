@@ -42,6 +42,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from engine.config import is_int
+
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit integer
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # vLLM's _SAMPLING_EPS: a temperature below this is treated as greedy (t -> 0)
@@ -107,11 +109,6 @@ INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logp
 OPTIONAL_FIELDS = ("logprobs", "prompt_logprobs")  # None: not asked for
 REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                "frequency_penalty")
-
-
-def _is_int(value: object) -> bool:
-    """A Python or numpy integer; not a bool, not a float that happens to be whole."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
@@ -189,15 +186,22 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         """Each field of the right kind before any range check, so that `max_tokens=5.5`,
-        `temperature="0.5"` or `stop=5` is refused by name (a bool is not a number here). Token ids
-        (stop_token_ids) are checked against the model's vocabulary when the request is added."""
+        `temperature="0.5"` or `stop=5` is refused by name (a bool is not a number here). numpy
+        scalars are taken and stored as Python numbers, what the trace and the rest of the engine
+        expect. Token ids (stop_token_ids) are checked against the model's vocabulary when the
+        request is added."""
+        for name in INT_FIELDS + REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                as_python = int if isinstance(value, numbers.Integral) else float
+                setattr(self, name, as_python(value))  # np.int64(5) -> 5
         for name in INT_FIELDS:
             value = getattr(self, name)
-            _require((name in OPTIONAL_FIELDS and value is None) or _is_int(value), name, value,
+            _require((name in OPTIONAL_FIELDS and value is None) or is_int(value), name, value,
                      "an integer" + (" or None" if name in OPTIONAL_FIELDS else ""))
         for name in REAL_FIELDS:
             value = getattr(self, name)
-            _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, value,
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool), name, value,
                      "a number")
         stop = self.stop
         _require(stop is None or isinstance(stop, str)

@@ -186,6 +186,16 @@ def test_vllm_prompt_dicts_give_the_same_tokens_as_plain_prompts_and_other_keys_
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.usage().used_blocks == 0
 
 
+def test_params_of_the_wrong_kind_are_refused_by_their_type_not_their_keys(model):
+    llm = LLM(model)
+    with pytest.raises(TypeError, match="params must be a SamplingParams.*got dict"):
+        llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)  # once iterated as its keys
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([[5], [6]], (SamplingParams(max_tokens=1), SamplingParams(max_tokens=2)),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2]
+
+
 def test_chat_refuses_a_bare_string_instead_of_reading_it_letter_by_letter():
     llm = LLM("tinylab")
     with pytest.raises(ValueError, match="messages must be a list.*got a str: 'hello'"):
